@@ -1,0 +1,46 @@
+"""jax_ep: expert-parallel MoE dispatch/combine and Engram lookups for JAX.
+
+The ops run inside `shard_map` over the EP mesh axis. On NVIDIA GPUs with a
+`Communicator` they run CUDA kernels that move rows over NVLink through the
+NCCL device API; everywhere else they run the pure-JAX reference
+(`jax_ep.reference`), which has the same outputs and row order.
+"""
+from jax_ep._types import (DispatchHandle, DispatchOutput, Layout, LowLatencyDispatchOutput,
+                           LowLatencyHandle)
+from jax_ep._checks import EpRuntimeError
+from jax_ep.fp8 import dequantize, quantize
+from jax_ep.mesh import shard_map
+from jax_ep.ops.dispatch import combine, dispatch
+from jax_ep.ops.engram import engram_fetch, engram_fetch_start, engram_fetch_wait
+from jax_ep.ops.layout import get_dispatch_layout
+from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_done,
+                                    low_latency_combine_start, low_latency_dispatch,
+                                    low_latency_dispatch_done, low_latency_dispatch_start)
+from jax_ep.reference import default_capacity
+
+try:
+  from jax_ep.comm import Communicator, get_buffer_size_hint
+except ImportError:  # pragma: no cover - the communicator module is optional at import
+  Communicator = None
+  get_buffer_size_hint = None
+
+__version__ = "0.1.0"
+
+
+def cuda_available() -> bool:
+  """True when the native CUDA path is built and a CUDA GPU is visible to JAX."""
+  try:
+    from jax_ep import _native
+  except ImportError:
+    return False
+  return bool(_native.cuda_available())
+
+
+__all__ = [
+    "Communicator", "DispatchHandle", "DispatchOutput", "EpRuntimeError", "Layout",
+    "LowLatencyDispatchOutput", "LowLatencyHandle", "combine", "cuda_available",
+    "default_capacity", "dequantize", "dispatch", "engram_fetch", "engram_fetch_start",
+    "engram_fetch_wait", "get_buffer_size_hint", "get_dispatch_layout", "low_latency_combine",
+    "low_latency_combine_done", "low_latency_combine_start", "low_latency_dispatch",
+    "low_latency_dispatch_done", "low_latency_dispatch_start", "quantize", "shard_map",
+]

@@ -1,0 +1,88 @@
+"""Argument validation (trace time, ValueError) and device-side error
+reporting for the reference backend (run time, an exception naming the op)."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+class EpRuntimeError(RuntimeError):
+  """A device-side problem found while an op ran (bad id, overflow, timeout)."""
+
+
+def is_fp8_pair(x: Any) -> bool:
+  return isinstance(x, (tuple, list)) and len(x) == 2
+
+
+def check_x(x: Any, *, fp8: bool, name: str = "x") -> tuple[int, int]:
+  """Validates a dispatch payload; returns (T, H)."""
+  if is_fp8_pair(x):
+    q, s = x
+    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
+      raise ValueError(f"{name}[0] must be float8_e4m3fn [T, H], got {q.dtype}{list(q.shape)}")
+    t, h = q.shape
+    if h % 128:
+      raise ValueError(f"{name}: hidden size {h} must be a multiple of 128 for FP8")
+    if s.shape != (t, h // 128) or s.dtype != jnp.float32:
+      raise ValueError(f"{name}[1] (scales) must be float32 [{t}, {h // 128}], got {s.dtype}{list(s.shape)}")
+    if fp8:
+      raise ValueError(f"{name} is already FP8; fp8=True casts a bf16/f16/f32 input")
+    return t, h
+  if x.ndim != 2:
+    raise ValueError(f"{name} must be [T, H], got shape {list(x.shape)}")
+  if x.dtype not in _FLOAT_DTYPES:
+    raise ValueError(f"{name} dtype must be bf16, f16 or f32 (or an FP8 (q, scales) pair), got {x.dtype}")
+  t, h = x.shape
+  if fp8 and h % 128:
+    raise ValueError(f"{name}: hidden size {h} must be a multiple of 128 for fp8=True")
+  return t, h
+
+
+def check_routing(topk_idx, topk_weights, *, num_tokens: int, num_experts: int,
+                  num_ranks: int) -> int:
+  """Validates routing arrays; returns K."""
+  if topk_idx.ndim != 2 or topk_idx.shape[0] != num_tokens:
+    raise ValueError(f"topk_idx must be [T={num_tokens}, K], got shape {list(topk_idx.shape)}")
+  if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+    raise ValueError(f"topk_idx must be int32, got {topk_idx.dtype}")
+  k = topk_idx.shape[1]
+  check_experts(num_experts, num_ranks)
+  if k < 1 or k > num_experts:
+    raise ValueError(f"topk (K={k}) must be in [1, num_experts={num_experts}]")
+  if topk_weights is not None:
+    if topk_weights.shape != topk_idx.shape:
+      raise ValueError(f"topk_weights shape {list(topk_weights.shape)} must equal topk_idx shape {list(topk_idx.shape)}")
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+      raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+  return k
+
+
+def check_experts(num_experts: int, num_ranks: int) -> None:
+  if not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+    raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+  if num_experts % num_ranks:
+    raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks {num_ranks}")
+
+
+def check_positive(name: str, value, *, allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def raise_if(bad: jax.Array, message: str, *details: jax.Array) -> None:
+  """Raises EpRuntimeError(message.format(*details)) when `bad` is true at run time.
+
+  The exception surfaces from the jitted call (as a JaxRuntimeError whose text
+  holds this message); the op's outputs are not silently truncated data.
+  """
+  def _cb(b, *d):
+    if bool(b):
+      raise EpRuntimeError(message.format(*[np.asarray(v).tolist() for v in d]))
+  jax.debug.callback(_cb, bad, *details)

@@ -1,0 +1,45 @@
+"""Per-token, per-128-channel FP8 (e4m3) quantisation.
+
+The CUDA kernels implement exactly these float32 steps (IEEE division, no
+fused multiply-add), so the in-kernel cast is bitwise equal to this one.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 128
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+FP8_DTYPE = jnp.float8_e4m3fn
+
+
+def ue8m0_round_up(s: jax.Array) -> jax.Array:
+  """Smallest power of two >= s (s > 0, finite), from the float32 bits."""
+  bits = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+  exp = bits & jnp.uint32(0x7F800000)
+  has_mantissa = (bits & jnp.uint32(0x007FFFFF)) != 0
+  exp = jnp.where(has_mantissa, exp + jnp.uint32(0x00800000), exp)
+  return lax.bitcast_convert_type(exp, jnp.float32)
+
+
+def quantize(x: jax.Array, *, ue8m0: bool = False) -> tuple[jax.Array, jax.Array]:
+  """x [..., H] -> (q [..., H] e4m3, scales [..., H // 128] f32); x ≈ q * scale."""
+  *lead, h = x.shape
+  if h % BLOCK:
+    raise ValueError(f"hidden size {h} must be a multiple of {BLOCK} for FP8")
+  xb = x.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK)
+  amax = jnp.max(jnp.abs(xb), axis=-1)
+  s = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) / jnp.float32(E4M3_MAX)
+  if ue8m0:
+    s = ue8m0_round_up(s)
+  q = jnp.clip(xb / s[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
+  return q.reshape(*lead, h), s
+
+
+def dequantize(q: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """Inverse of `quantize` (up to FP8 rounding)."""
+  *lead, h = q.shape
+  xb = q.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK) * scales[..., None]
+  return xb.reshape(*lead, h).astype(dtype)

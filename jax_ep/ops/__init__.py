@@ -1,0 +1,1 @@
+"""Public ops: argument checks, backend choice and exact gradients."""

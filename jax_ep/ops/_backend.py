@@ -1,0 +1,49 @@
+"""Choosing between the reference (pure JAX) and the CUDA kernels.
+
+backend=None ("auto"): the CUDA kernels when jax_ep was built with CUDA and a
+Communicator exists for the axis, on the CUDA platform only (through
+`lax.platform_dependent`, so one program also lowers for CPU/TPU); the
+reference otherwise. "reference" and "cuda" force one.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from jax import lax
+
+BACKENDS = (None, "auto", "reference", "cuda")
+
+
+def check_backend(backend: Optional[str]) -> None:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def cuda_comm(axis_name: str):
+  """The Communicator the kernels would use for this axis, or None."""
+  try:
+    from jax_ep import _native, comm
+  except ImportError:
+    return None
+  if not _native.cuda_built():
+    return None
+  return comm.current(axis_name)
+
+
+def run(backend: Optional[str], axis_name: str, reference: Callable,
+        cuda: Optional[Callable[[object], Callable]], *args):
+  """Runs `reference(*args)` or `cuda(comm)(*args)` as the backend says."""
+  check_backend(backend)
+  if backend == "reference" or cuda is None:
+    if backend == "cuda":
+      raise ValueError("backend='cuda': this op has no CUDA kernel yet")
+    return reference(*args)
+  c = cuda_comm(axis_name)
+  if backend == "cuda":
+    if c is None:
+      raise ValueError(f"backend='cuda' needs jax_ep built with CUDA and a Communicator for axis "
+                       f"{axis_name!r} (jax_ep.Communicator.create(mesh, {axis_name!r}))")
+    return cuda(c)(*args)
+  if c is None:
+    return reference(*args)
+  return lax.platform_dependent(*args, default=reference, cuda=cuda(c))

@@ -1,0 +1,206 @@
+"""Normal (high-throughput) `dispatch` and `combine`, with exact transposes.
+
+dispatch' = combine of the row cotangents with unit weights, plus the weight
+cotangents routed back to `topk_weights`; combine' = cached dispatch of the
+output cotangent scaled by the row weights, plus dw_row = <dout[t], y[row]>.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import reference as ref
+from jax_ep._checks import check_positive, check_routing, check_x, is_fp8_pair
+from jax_ep._types import DispatchHandle, DispatchOutput
+from jax_ep.ops import _backend
+
+LAYOUTS = ("rank", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  num_experts: int
+  axis_name: str
+  layout: str
+  capacity: int
+  expert_alignment: int
+  fp8: bool
+  ue8m0: bool
+  backend: Optional[str]
+
+
+def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = None, *,
+             num_experts: int, axis_name: str = "ep", layout: str = "rank",
+             capacity: Optional[int] = None, expert_alignment: int = 1, fp8: bool = False,
+             ue8m0: bool = False, handle: Optional[DispatchHandle] = None,
+             backend: Optional[str] = None) -> DispatchOutput:
+  """Sends each token to the ranks (rank layout) or experts (expert layout) it chose.
+
+  Runs inside `shard_map` over `axis_name` (R ranks, E_l = E / R local experts).
+
+  Args:
+    x: [T, H] bf16/f16/f32, or an FP8 pair (q [T, H] float8_e4m3fn,
+      scales [T, H / 128] f32).
+    topk_idx: [T, K] int32 expert ids in [-1, E); -1 means none.
+    topk_weights: [T, K] float weights, or None.
+    layout: "rank": one row per (source rank, token) with an expert here;
+      "expert": one row per (source token, local expert), grouped by expert,
+      each group padded to `expert_alignment` (the `ragged_dot` layout).
+    capacity: rows C of the outputs; None = the worst case. Overflow raises.
+    fp8: cast a bf16/f16/f32 `x` to FP8 (per token, per 128 channels) first;
+      `ue8m0` rounds the scales up to powers of two.
+    handle: from an earlier dispatch with the same routing: skip the layout
+      work (cached dispatch); `capacity`/`layout` come from the handle.
+  Returns:
+    DispatchOutput(recv_x, recv_topk_idx, recv_topk_weights, counts, handle);
+    see `jax_ep.DispatchOutput` for the shapes of each layout.
+  """
+  num_ranks = ref.axis_size(axis_name)
+  _backend.check_backend(backend)
+  t, _ = check_x(x, fp8=fp8)
+  k = check_routing(topk_idx, topk_weights, num_tokens=t, num_experts=num_experts,
+                    num_ranks=num_ranks)
+  if handle is not None:
+    if not isinstance(handle, DispatchHandle):
+      raise ValueError(f"handle must be a DispatchHandle from dispatch, got {type(handle).__name__}")
+    if handle.num_experts != num_experts or handle.topk_idx.shape != topk_idx.shape:
+      raise ValueError("handle was made for another routing (num_experts or topk_idx shape differ)")
+    layout, capacity, expert_alignment = handle.layout, handle.capacity, handle.expert_alignment
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  check_positive("expert_alignment", expert_alignment)
+  check_positive("capacity", capacity, allow_none=True)
+  if capacity is None:
+    capacity = ref.default_capacity(layout=layout, num_tokens=t, num_ranks=num_ranks, topk=k,
+                                    num_experts=num_experts, expert_alignment=expert_alignment)
+  cfg = _Cfg(num_experts, axis_name, layout, int(capacity), int(expert_alignment), bool(fp8),
+             bool(ue8m0), backend)
+  if fp8 or is_fp8_pair(x):
+    # FP8 payloads are forward-only: nothing flows back into x through them.
+    x = jax.tree.map(jax.lax.stop_gradient, x)
+    return _dispatch_impl(cfg, x, topk_idx, topk_weights, handle)
+  return _dispatch_vjp(cfg, x, topk_idx, topk_weights, handle)
+
+
+def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
+            axis_name: str = "ep", backend: Optional[str] = None) -> jax.Array:
+  """Returns each row to its source token and sums (inside shard_map).
+
+  out[t] = sum over rows from token t of w_row * y[row], accumulated in
+  float32 in a fixed order (ascending rank of the row, then local expert, then
+  top-k slot), cast to y's dtype; tokens with no rows get zeros.
+
+  Args:
+    y: [C, H] rows in the order `dispatch` produced them.
+    handle: the DispatchHandle of that dispatch.
+    weights: [C] per-row weights (e.g. expert layout's recv_topk_weights), or
+      None for a plain sum.
+  Returns:
+    [T, H] in y's dtype.
+  """
+  _backend.check_backend(backend)
+  if not isinstance(handle, DispatchHandle):
+    raise ValueError(f"handle must be a DispatchHandle from dispatch, got {type(handle).__name__}")
+  c = handle.capacity
+  if y.ndim != 2 or y.shape[0] != c:
+    raise ValueError(f"y must be [C={c}, H] (the dispatch capacity), got shape {list(y.shape)}")
+  if weights is not None and weights.shape != (c,):
+    raise ValueError(f"weights must be [C={c}] per-row weights, got shape {list(weights.shape)}")
+  cfg = _Cfg(handle.num_experts, axis_name, handle.layout, c, handle.expert_alignment, False,
+             False, backend)
+  return _combine_vjp(cfg, y, handle, weights)
+
+
+# ------------------------------------------------------------ implementations
+
+def _dispatch_impl(cfg: _Cfg, x, topk_idx, topk_weights, handle) -> DispatchOutput:
+  def reference(x, topk_idx, topk_weights, handle):
+    return ref.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
+                        axis_name=cfg.axis_name, layout=cfg.layout, capacity=cfg.capacity,
+                        expert_alignment=cfg.expert_alignment, fp8=cfg.fp8, ue8m0=cfg.ue8m0,
+                        handle=handle)
+
+  return _backend.run(cfg.backend, cfg.axis_name, reference, _cuda_dispatch(cfg), x, topk_idx,
+                      topk_weights, handle)
+
+
+def _combine_impl(cfg: _Cfg, y, handle, weights) -> jax.Array:
+  def reference(y, handle, weights):
+    return ref.combine(y, handle, weights, axis_name=cfg.axis_name)
+
+  return _backend.run(cfg.backend, cfg.axis_name, reference, _cuda_combine(cfg), y, handle,
+                      weights)
+
+
+def _cuda_dispatch(cfg: _Cfg):
+  try:
+    from jax_ep import _ffi_dispatch
+  except ImportError:
+    return None
+  return getattr(_ffi_dispatch, "dispatch_factory", lambda cfg: None)(cfg)
+
+
+def _cuda_combine(cfg: _Cfg):
+  try:
+    from jax_ep import _ffi_dispatch
+  except ImportError:
+    return None
+  return getattr(_ffi_dispatch, "combine_factory", lambda cfg: None)(cfg)
+
+
+# ------------------------------------------------------------ gradients
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch_vjp(cfg, x, topk_idx, topk_weights, handle):
+  return _dispatch_impl(cfg, x, topk_idx, topk_weights, handle)
+
+
+def _dispatch_fwd(cfg, x, topk_idx, topk_weights, handle):
+  out = _dispatch_impl(cfg, x, topk_idx, topk_weights, handle)
+  return out, (out.handle, topk_weights is not None)
+
+
+def _dispatch_bwd(cfg, res, ct):
+  h, has_w = res
+  dx = _combine_impl(cfg, ct.recv_x, h, None)
+  dw = None
+  if has_w:
+    dw = ref.return_row_weights(ct.recv_topk_weights, h, cfg.axis_name)
+  return dx, None, dw, None
+
+
+_dispatch_vjp.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_vjp(cfg, y, handle, weights):
+  return _combine_impl(cfg, y, handle, weights)
+
+
+def _combine_fwd(cfg, y, handle, weights):
+  return _combine_impl(cfg, y, handle, weights), (y, handle, weights)
+
+
+def _combine_bwd(cfg, res, dout):
+  y, h, weights = res
+  rows = _cached_rows(cfg, dout, h)
+  if weights is None:
+    dy, dw = rows.astype(y.dtype), None
+  else:
+    dy = (weights.astype(jnp.float32)[:, None] * rows.astype(jnp.float32)).astype(y.dtype)
+    dw = jnp.sum(rows.astype(jnp.float32) * y.astype(jnp.float32), axis=-1).astype(weights.dtype)
+  return dy, None, dw
+
+
+def _cached_rows(cfg: _Cfg, x, h: DispatchHandle):
+  """Cached dispatch of a payload along the routing in `h`."""
+  topk = h.topk_idx
+  out = _dispatch_impl(dataclasses.replace(cfg, fp8=False, ue8m0=False), x, topk, None, h)
+  return out.recv_x
+
+
+_combine_vjp.defvjp(_combine_fwd, _combine_bwd)

@@ -1,0 +1,476 @@
+// Communicator registry (see comm.h). Compiled by nvcc: it holds the one tiny
+// kernel that asks the NCCL device API for the LSA addresses of the windows.
+#include "comm.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+namespace jax_ep {
+namespace {
+
+[[noreturn]] void Fail(const std::string& what) { throw std::runtime_error("jax_ep: " + what); }
+
+void CheckCuda(cudaError_t err, const char* call, int device) {
+  if (err != cudaSuccess) {
+    std::ostringstream os;
+    os << call << " failed on device " << device << ": " << cudaGetErrorName(err) << " ("
+       << cudaGetErrorString(err) << ")";
+    Fail(os.str());
+  }
+}
+
+void CheckNccl(ncclResult_t res, const char* call, ncclComm_t comm = nullptr) {
+  if (res != ncclSuccess && res != ncclInProgress) {
+    std::ostringstream os;
+    os << call << " failed: " << ncclGetErrorString(res);
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && last[0] != '\0') os << " (" << last << ")";
+    Fail(os.str());
+  }
+}
+
+// Teardown never throws: it reports and carries on, so one failed step does
+// not leak the rest.
+void Warn(const char* call, const char* msg) {
+  std::fprintf(stderr, "jax_ep: warning: %s during communicator close: %s\n", call, msg);
+}
+void WarnCuda(cudaError_t err, const char* call) {
+  if (err != cudaSuccess) Warn(call, cudaGetErrorString(err));
+}
+void WarnNccl(ncclResult_t res, const char* call) {
+  if (res != ncclSuccess) Warn(call, ncclGetErrorString(res));
+}
+
+// Restores the caller's current device: JAX and other libraries assume
+// nobody changes it behind their back.
+class DeviceGuard {
+ public:
+  DeviceGuard() { had_ = cudaGetDevice(&prev_) == cudaSuccess; }
+  ~DeviceGuard() {
+    if (had_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool had_ = false;
+};
+
+// An NCCL group that is always ended, also when a call inside it throws;
+// collective setup calls for several local devices must share one group or
+// the first call would wait forever for its peers on the same thread.
+class NcclGroup {
+ public:
+  NcclGroup() { CheckNccl(ncclGroupStart(), "ncclGroupStart"); }
+  ~NcclGroup() {
+    if (open_) ncclGroupEnd();
+  }
+  void End(const char* what) {
+    open_ = false;
+    CheckNccl(ncclGroupEnd(), what);
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+ private:
+  bool open_ = true;
+};
+
+// The window struct lives in device memory; the documented way to turn it
+// into addresses is the device-side accessor, so ask a one-warp kernel.
+__global__ void LsaPointersKernel(ncclWindow_t window, int nranks, char** out) {
+  const int peer = threadIdx.x;
+  if (peer < nranks) out[peer] = static_cast<char*>(ncclGetLsaPointer(window, 0, peer));
+}
+
+struct Registry {
+  std::mutex mu;
+  std::map<int64_t, std::shared_ptr<CommResources>> comms;
+  int64_t next_id = 1;
+};
+
+// Deliberately never destroyed (see comm.h: no collective teardown at exit).
+Registry& GetRegistry() {
+  static Registry* registry = new Registry();
+  return *registry;
+}
+
+void CheckVersion() {
+  int runtime = 0;
+  CheckNccl(ncclGetVersion(&runtime), "ncclGetVersion");
+  if (runtime != NCCL_VERSION_CODE) {
+    std::ostringstream os;
+    os << "NCCL version mismatch: jax_ep was compiled against NCCL " << NCCL_VERSION_CODE
+       << " but the loaded libnccl is " << runtime
+       << "; the device API (ncclDevComm layout, barriers) is only compatible with the "
+          "headers it was built with. Rebuild jax_ep against the NCCL that JAX loads "
+          "(the nvidia-nccl-cu* wheel).";
+    Fail(os.str());
+  }
+}
+
+void SetupOneDevice(DeviceResources& d) {
+  CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+  CheckNccl(ncclMemAlloc(&d.window_ptr, d.window_bytes), "ncclMemAlloc", d.comm);
+  // Zeroed header: barrier flags and epochs start at 0 on every rank.
+  CheckCuda(cudaMemset(d.window_ptr, 0, d.window_bytes), "cudaMemset(window)", d.device_ordinal);
+  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), sizeof(uint32_t),
+                          cudaHostAllocMapped | cudaHostAllocPortable),
+            "cudaHostAlloc(status word)", d.device_ordinal);
+  *d.status_host = 0;
+  CheckCuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.status_dev), d.status_host, 0),
+            "cudaHostGetDevicePointer(status word)", d.device_ordinal);
+  CheckCuda(cudaMalloc(reinterpret_cast<void**>(&d.counters),
+                       kNumDeviceCounters * sizeof(unsigned long long)),
+            "cudaMalloc(counters)", d.device_ordinal);
+  CheckCuda(cudaMemset(d.counters, 0, kNumDeviceCounters * sizeof(unsigned long long)),
+            "cudaMemset(counters)", d.device_ordinal);
+}
+
+// Every peer must be load/store reachable: the kernels move data with NVLink
+// stores. GIN (network) transport is not implemented in jax_ep's kernels, so a
+// non-LSA peer is an error whether or not this NCCL could do GIN.
+void CheckLsaReachable(const DeviceResources& d) {
+  ncclTeam_t world = ncclTeamWorld(d.comm);
+  ncclTeam_t lsa = ncclTeamLsa(d.comm);
+  for (int peer = 0; peer < d.nranks; ++peer) {
+    if (!ncclTeamRankIsMember(lsa, world, peer)) {
+      std::ostringstream os;
+      os << "EP rank " << peer << " is not load/store reachable from rank " << d.rank
+         << " (device " << d.device_ordinal << "): NCCL's LSA team of rank " << d.rank
+         << " has " << lsa.nRanks << " of " << d.nranks
+         << " ranks (no NVLink/P2P path to that peer, e.g. another host or P2P disabled). "
+            "jax_ep moves data with NVLink loads/stores and has no GIN (network) path yet; "
+            "put the EP axis on GPUs of one NVLink domain.";
+      Fail(os.str());
+    }
+  }
+}
+
+void FetchPeerPointers(DeviceResources& d) {
+  CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+  char** dev_out = nullptr;
+  CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev_out), kMaxRanks * sizeof(char*)),
+            "cudaMalloc(lsa pointers)", d.device_ordinal);
+  // LSA rank == world rank here: CheckLsaReachable made the LSA team the
+  // whole group, and the LSA team of a single-node group is in world order.
+  LsaPointersKernel<<<1, 32>>>(d.window, d.nranks, dev_out);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err == cudaSuccess)
+    err = cudaMemcpy(d.peer_base, dev_out, d.nranks * sizeof(char*), cudaMemcpyDeviceToHost);
+  cudaFree(dev_out);
+  CheckCuda(err, "reading LSA window pointers", d.device_ordinal);
+  for (int r = 0; r < d.nranks; ++r) {
+    if (d.peer_base[r] == nullptr) {
+      Fail("NCCL returned no LSA address for rank " + std::to_string(r) + "'s window");
+    }
+  }
+  if (d.peer_base[d.rank] != d.window_ptr) {
+    // Not fatal for correctness of LSA accesses, but it means the LSA/world
+    // rank correspondence assumed above does not hold.
+    Fail("LSA pointer of this rank does not map to its own window: LSA rank order differs "
+         "from EP rank order, which jax_ep does not support");
+  }
+}
+
+}  // namespace
+
+EpPeers DeviceResources::peers() const {
+  EpPeers p{};
+  for (int r = 0; r < kMaxRanks; ++r) p.base[r] = peer_base[r];
+  p.rank = rank;
+  p.nranks = nranks;
+  p.window_bytes = window_bytes;
+  p.status = status_dev;
+  p.epoch = counters;
+  p.grid_sync = counters + 1;
+  p.timeout_ns = timeout_ns;
+  return p;
+}
+
+DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
+  for (auto& d : devices)
+    if (d.device_ordinal == device_ordinal) return &d;
+  return nullptr;
+}
+
+std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
+  if (dev.status_host == nullptr) return "";
+  // The device writes the word with system-scope atomics through the
+  // mapping; a volatile read sees it without any stream synchronisation.
+  volatile uint32_t* word = dev.status_host;
+  const uint32_t code = *word;
+  if (code == 0) return "";
+  *word = 0;
+  return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s);
+}
+
+std::string CommResources::TakeStatusMessage() {
+  std::string all;
+  for (auto& d : devices) {
+    std::string m = TakeStatusMessage(d);
+    if (!m.empty()) all += (all.empty() ? "" : "; ") + m;
+  }
+  return all;
+}
+
+CommResources::~CommResources() { Close(); }
+
+void CommResources::Close() {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_.exchange(true, std::memory_order_acq_rel)) return;
+  DeviceGuard guard;
+  // Kernels already enqueued may still read the window or spin on a peer
+  // (bounded by the timeout): let them finish before anything is freed.
+  for (auto& d : devices) {
+    if (cudaSetDevice(d.device_ordinal) == cudaSuccess) WarnCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  // The NCCL calls below are collective over each group; one process driving
+  // several ranks must issue them inside one group.
+  ncclGroupStart();
+  for (auto& d : devices) {
+    if (d.devcomm_created) {
+      cudaSetDevice(d.device_ordinal);
+      WarnNccl(ncclDevCommDestroy(d.comm, &d.devcomm), "ncclDevCommDestroy");
+      d.devcomm_created = false;
+    }
+  }
+  WarnNccl(ncclGroupEnd(), "ncclGroupEnd(ncclDevCommDestroy)");
+  ncclGroupStart();
+  for (auto& d : devices) {
+    if (d.window != nullptr) {
+      cudaSetDevice(d.device_ordinal);
+      WarnNccl(ncclCommWindowDeregister(d.comm, d.window), "ncclCommWindowDeregister");
+      d.window = nullptr;
+    }
+  }
+  WarnNccl(ncclGroupEnd(), "ncclGroupEnd(ncclCommWindowDeregister)");
+  for (auto& d : devices) {
+    cudaSetDevice(d.device_ordinal);
+    if (d.window_ptr != nullptr) WarnNccl(ncclMemFree(d.window_ptr), "ncclMemFree");
+    if (d.status_host != nullptr) WarnCuda(cudaFreeHost(d.status_host), "cudaFreeHost");
+    if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
+    d.window_ptr = nullptr;
+    d.status_host = nullptr;
+    d.status_dev = nullptr;
+    d.counters = nullptr;
+    for (auto& b : d.peer_base) b = nullptr;
+  }
+  ncclGroupStart();
+  for (auto& d : devices) {
+    if (d.comm != nullptr) {
+      cudaSetDevice(d.device_ordinal);
+      WarnNccl(ncclCommFinalize(d.comm), "ncclCommFinalize");
+    }
+  }
+  WarnNccl(ncclGroupEnd(), "ncclGroupEnd(ncclCommFinalize)");
+  for (auto& d : devices) {
+    if (d.comm != nullptr) {
+      cudaSetDevice(d.device_ordinal);
+      WarnNccl(ncclCommDestroy(d.comm), "ncclCommDestroy");
+      d.comm = nullptr;
+    }
+  }
+}
+
+int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s) {
+  CheckVersion();
+  if (groups.empty()) Fail("comm_create needs at least one EP group");
+  if (!(timeout_s > 0)) Fail("timeout_s must be > 0");
+  if (num_bytes <= kWindowHeaderBytes) {
+    Fail("num_bytes must exceed the " + std::to_string(kWindowHeaderBytes) +
+         "-byte window header");
+  }
+  // Symmetric registration needs whole allocation granules; round up to the
+  // 2 MiB that ncclMemAlloc uses on Hopper so every rank registers one size.
+  constexpr size_t kGranule = size_t(2) << 20;
+  const size_t window_bytes = (num_bytes + kGranule - 1) / kGranule * kGranule;
+
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess) device_count = 0;
+
+  auto res = std::make_shared<CommResources>();
+  res->timeout_s = timeout_s;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const GroupSpec& spec = groups[g];
+    if (spec.nranks < 1 || spec.nranks > kMaxRanks) {
+      Fail("an EP group has " + std::to_string(spec.nranks) + " ranks; jax_ep supports 1.." +
+           std::to_string(kMaxRanks));
+    }
+    if (spec.ranks.size() != spec.device_ordinals.size() || spec.ranks.empty()) {
+      Fail("ranks and device_ordinals must be non-empty lists of the same length");
+    }
+    for (size_t i = 0; i < spec.ranks.size(); ++i) {
+      DeviceResources d;
+      d.group = static_cast<int>(g);
+      d.rank = spec.ranks[i];
+      d.nranks = spec.nranks;
+      d.device_ordinal = spec.device_ordinals[i];
+      d.window_bytes = window_bytes;
+      d.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
+      if (d.rank < 0 || d.rank >= spec.nranks) Fail("rank " + std::to_string(d.rank) + " out of range");
+      if (d.device_ordinal < 0 || d.device_ordinal >= device_count) {
+        Fail("device ordinal " + std::to_string(d.device_ordinal) + " not visible (" +
+             std::to_string(device_count) + " CUDA devices)");
+      }
+      if (res->ForOrdinal(d.device_ordinal) != nullptr) {
+        Fail("device ordinal " + std::to_string(d.device_ordinal) + " given twice");
+      }
+      res->devices.push_back(d);
+    }
+  }
+
+  DeviceGuard guard;
+  // Any throw below leaves `res` to its destructor, which releases whatever
+  // was created so far (Close() skips what is still null).
+  {
+    NcclGroup group;
+    for (auto& d : res->devices) {
+      CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+      CheckNccl(ncclCommInitRank(&d.comm, d.nranks, groups[d.group].id, d.rank), "ncclCommInitRank");
+    }
+    group.End("ncclCommInitRank (group)");
+  }
+  for (auto& d : res->devices) SetupOneDevice(d);
+  {
+    NcclGroup group;
+    for (auto& d : res->devices) {
+      CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+      CheckNccl(ncclCommWindowRegister(d.comm, d.window_ptr, d.window_bytes, &d.window,
+                                       NCCL_WIN_COLL_SYMMETRIC),
+                "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC)", d.comm);
+    }
+    group.End("ncclCommWindowRegister (group)");
+  }
+  for (auto& d : res->devices) {
+    if (d.window == nullptr) Fail("ncclCommWindowRegister returned no window");
+    CheckLsaReachable(d);
+  }
+  {
+    NcclGroup group;
+    for (auto& d : res->devices) {
+      CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+      ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
+      ncclDevCommRequirements reqs;
+      std::memset(&reqs, 0, sizeof(reqs));
+#endif
+      reqs.lsaBarrierCount = kLsaBarrierCount;
+      CheckNccl(ncclDevCommCreate(d.comm, &reqs, &d.devcomm), "ncclDevCommCreate", d.comm);
+      d.devcomm_created = true;
+    }
+    group.End("ncclDevCommCreate (group)");
+  }
+  for (auto& d : res->devices) {
+    if (d.devcomm.nRanks != d.nranks || d.devcomm.rank != d.rank) {
+      Fail("ncclDevComm reports rank " + std::to_string(d.devcomm.rank) + " of " +
+           std::to_string(d.devcomm.nRanks) + ", expected " + std::to_string(d.rank) + " of " +
+           std::to_string(d.nranks));
+    }
+    if (d.devcomm.lsaSize != d.nranks) {
+      Fail("ncclDevComm LSA team has " + std::to_string(d.devcomm.lsaSize) + " of " +
+           std::to_string(d.nranks) + " ranks");
+    }
+    FetchPeerPointers(d);
+  }
+  for (auto& d : res->devices) {
+    CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+    // The memsets above ran on the legacy stream; XLA's streams do not wait
+    // for it.
+    CheckCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", d.device_ordinal);
+  }
+
+  Registry& reg = GetRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  res->comm_id = reg.next_id++;
+  reg.comms[res->comm_id] = res;
+  return res->comm_id;
+}
+
+void DestroyComm(int64_t comm_id) {
+  std::shared_ptr<CommResources> res;
+  {
+    Registry& reg = GetRegistry();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.comms.find(comm_id);
+    if (it == reg.comms.end()) return;
+    res = std::move(it->second);
+    reg.comms.erase(it);
+  }
+  // Outside the registry lock: Close() may wait for kernels and peers.
+  res->Close();
+}
+
+std::shared_ptr<CommResources> LookupComm(int64_t comm_id) {
+  Registry& reg = GetRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.comms.find(comm_id);
+  return it == reg.comms.end() ? nullptr : it->second;
+}
+
+std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double timeout_s) {
+  const uint32_t op = (code >> 16) & 0xffffu;
+  const uint32_t cause = (code >> 8) & 0xffu;
+  const uint32_t detail = code & 0xffu;
+  const char* op_name = "unknown op";
+  switch (static_cast<Op>(op)) {
+    case Op::kNone: op_name = "(no op)"; break;
+    case Op::kLayout: op_name = "get_dispatch_layout"; break;
+    case Op::kProbe: op_name = "probe_all_to_all"; break;
+    case Op::kDispatch: op_name = "dispatch"; break;
+    case Op::kCombine: op_name = "combine"; break;
+    case Op::kLowLatencyDispatch: op_name = "low_latency_dispatch"; break;
+    case Op::kLowLatencyCombine: op_name = "low_latency_combine"; break;
+    case Op::kEngramFetch: op_name = "engram_fetch"; break;
+  }
+  std::ostringstream os;
+  os << "jax_ep " << op_name << " (EP rank " << rank << ", device " << device_ordinal << "): ";
+  switch (static_cast<Cause>(cause)) {
+    case Cause::kBadExpertId:
+      os << "expert id out of range [-1, E) in topk_idx";
+      break;
+    case Cause::kCapacityOverflow:
+      os << "capacity overflow: more received rows than the static capacity; raise "
+            "`capacity` (or leave it None for the worst case)";
+      break;
+    case Cause::kPeerTimeout:
+      os << "peer rank " << detail << " did not arrive within " << timeout_s
+         << " s (a rank skipped or failed this call; the communicator's barriers are now out "
+            "of step: close it and create a new one)";
+      break;
+    case Cause::kBadIndex:
+      os << "index out of range";
+      break;
+    case Cause::kWindowTooSmall:
+      os << "symmetric window too small for this call; create the Communicator with a larger "
+            "num_bytes (see get_buffer_size_hint)";
+      break;
+    default:
+      os << "device error cause " << cause << " (detail " << detail << ")";
+  }
+  os << " [status 0x" << std::hex << code << "]";
+  return os.str();
+}
+
+ncclUniqueId NewUniqueId() {
+  ncclUniqueId id;
+  CheckNccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return id;
+}
+
+std::pair<int, int> NcclVersions() {
+  int runtime = 0;
+  if (ncclGetVersion(&runtime) != ncclSuccess) runtime = -1;
+  return {NCCL_VERSION_CODE, runtime};
+}
+
+}  // namespace jax_ep

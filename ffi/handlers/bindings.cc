@@ -1,0 +1,220 @@
+// nanobind surface of the CUDA build: communicator lifetime, the FFI handler
+// and state-type capsules, and small diagnostics. The shared instantiate stage
+// and the common execute-time checks live here too, next to the registration.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "comm.h"
+#include "handlers/state.h"
+
+namespace nb = nanobind;
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchLayoutExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpProbeAllToAllExecute);
+
+namespace jax_ep {
+
+ffi::ErrorOr<std::unique_ptr<CommState>> InstantiateCommState(ffi::Dictionary attrs) {
+  ffi::ErrorOr<int64_t> comm_id = attrs.get<int64_t>("comm_id");
+  if (comm_id.has_error()) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jax_ep: custom call has no int64 attribute comm_id: " + comm_id.error().message()));
+  }
+  std::shared_ptr<CommResources> res = LookupComm(*comm_id);
+  if (res == nullptr) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jax_ep: communicator " + std::to_string(*comm_id) +
+        " is not open in this process (closed, or never created here); create the "
+        "Communicator before running the computation that uses it"));
+  }
+  return std::make_unique<CommState>(std::move(res));
+}
+
+ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal, const char* op,
+                         DeviceLease& lease) {
+  if (state == nullptr || state->resources == nullptr) {
+    return ffi::Error::Internal(std::string("jax_ep ") + op + ": missing communicator state");
+  }
+  CommResources* comm = state->resources.get();
+  if (comm->comm_id != comm_id) {
+    return ffi::Error::Internal(std::string("jax_ep ") + op + ": state holds communicator " +
+                                std::to_string(comm->comm_id) + " but the call names " +
+                                std::to_string(comm_id));
+  }
+  lease.lock = std::shared_lock<std::shared_mutex>(comm->mutex());
+  if (comm->closed()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("jax_ep ") + op + ": communicator " + std::to_string(comm_id) +
+                          " was closed; create a new Communicator (and re-trace) to continue");
+  }
+  DeviceResources* dev = comm->ForOrdinal(device_ordinal);
+  if (dev == nullptr) {
+    return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": communicator " +
+                                       std::to_string(comm_id) + " does not drive device " +
+                                       std::to_string(device_ordinal) +
+                                       " (is the op used on a mesh other than the "
+                                       "Communicator's?)");
+  }
+  // An error a kernel reported since the last call surfaces now, before more
+  // work goes onto a communicator in an unknown state.
+  std::string msg = comm->TakeStatusMessage(*dev);
+  if (!msg.empty()) return ffi::Error::Internal(msg);
+  lease.comm = comm;
+  lease.dev = dev;
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInstantiate, jax_ep::InstantiateCommState,
+                              xla::ffi::Ffi::BindInstantiate().Attrs<xla::ffi::Dictionary>());
+
+namespace {
+
+nb::capsule HandlerCapsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Bundle(XLA_FFI_Error* (*execute)(XLA_FFI_CallFrame*)) {
+  nb::dict d;
+  d["instantiate"] = HandlerCapsule(JaxEpInstantiate);
+  d["execute"] = HandlerCapsule(execute);
+  return d;
+}
+
+jax_ep::GroupSpec MakeGroup(const nb::bytes& unique_id, int nranks, std::vector<int> ranks,
+                            std::vector<int> device_ordinals) {
+  jax_ep::GroupSpec g;
+  if (unique_id.size() != sizeof(g.id)) {
+    throw std::invalid_argument("unique_id must be " + std::to_string(sizeof(g.id)) +
+                                " bytes (from get_unique_id()), got " +
+                                std::to_string(unique_id.size()));
+  }
+  std::memcpy(&g.id, unique_id.c_str(), sizeof(g.id));
+  g.nranks = nranks;
+  g.ranks = std::move(ranks);
+  g.device_ordinals = std::move(device_ordinals);
+  return g;
+}
+
+}  // namespace
+
+void RegisterCudaBindings(nb::module_& m) {
+  m.def(
+      "get_unique_id",
+      [] {
+        ncclUniqueId id = jax_ep::NewUniqueId();
+        return nb::bytes(reinterpret_cast<const char*>(&id), sizeof(id));
+      },
+      "A fresh NCCL unique id (bytes) for one EP group.");
+
+  m.def(
+      "comm_create",
+      [](nb::bytes unique_id, int nranks, std::vector<int> ranks, std::vector<int> device_ordinals,
+         size_t num_bytes, double timeout_s) {
+        std::vector<jax_ep::GroupSpec> groups;
+        groups.push_back(MakeGroup(unique_id, nranks, std::move(ranks), std::move(device_ordinals)));
+        nb::gil_scoped_release release;  // blocks until every rank has joined
+        return jax_ep::CreateComm(groups, num_bytes, timeout_s);
+      },
+      nb::arg("unique_id"), nb::arg("nranks"), nb::arg("ranks"), nb::arg("device_ordinals"),
+      nb::arg("num_bytes"), nb::arg("timeout_s"),
+      "Creates one EP group's communicator over the listed local devices; returns comm_id.");
+
+  m.def(
+      "comm_create_groups",
+      [](std::vector<std::tuple<nb::bytes, int, std::vector<int>, std::vector<int>>> specs,
+         size_t num_bytes, double timeout_s) {
+        std::vector<jax_ep::GroupSpec> groups;
+        for (auto& [uid, nranks, ranks, ordinals] : specs)
+          groups.push_back(MakeGroup(uid, nranks, std::move(ranks), std::move(ordinals)));
+        nb::gil_scoped_release release;
+        return jax_ep::CreateComm(groups, num_bytes, timeout_s);
+      },
+      nb::arg("groups"), nb::arg("num_bytes"), nb::arg("timeout_s"),
+      "Like comm_create for several EP groups at once (every local device of a mesh), "
+      "groups = [(unique_id, nranks, ranks, device_ordinals), ...]; one comm_id for all.");
+
+  m.def(
+      "comm_destroy",
+      [](int64_t comm_id) {
+        nb::gil_scoped_release release;
+        jax_ep::DestroyComm(comm_id);
+      },
+      nb::arg("comm_id"), "Closes the communicator (collective; idempotent).");
+
+  m.def(
+      "comm_info",
+      [](int64_t comm_id) {
+        auto res = jax_ep::LookupComm(comm_id);
+        if (res == nullptr) throw std::invalid_argument("unknown comm_id " + std::to_string(comm_id));
+        nb::list devices;
+        for (const auto& d : res->devices) {
+          nb::dict e;
+          e["device_ordinal"] = d.device_ordinal;
+          e["rank"] = d.rank;
+          e["nranks"] = d.nranks;
+          e["group"] = d.group;
+          e["window_bytes"] = d.window_bytes;
+          e["lsa_size"] = d.devcomm.lsaSize;
+          devices.append(e);
+        }
+        return devices;
+      },
+      nb::arg("comm_id"), "Per local device: ordinal, rank, nranks, group, window_bytes.");
+
+  m.def(
+      "status_message",
+      [](int64_t comm_id) -> std::string {
+        auto res = jax_ep::LookupComm(comm_id);
+        if (res == nullptr) return "";
+        return res->TakeStatusMessage();
+      },
+      nb::arg("comm_id"),
+      "Reads and clears the device status words; '' when no kernel reported an error. "
+      "Only reports what finished kernels wrote: synchronise first.");
+
+  m.def("nccl_version", [] { return jax_ep::NcclVersions(); },
+        "(NCCL_VERSION_CODE compiled against, ncclGetVersion() loaded)");
+
+  m.def(
+      "mem_get_info",
+      [](int device_ordinal) {
+        int prev = 0;
+        cudaGetDevice(&prev);
+        size_t free_b = 0, total_b = 0;
+        cudaError_t err = cudaSetDevice(device_ordinal);
+        if (err == cudaSuccess) err = cudaMemGetInfo(&free_b, &total_b);
+        cudaSetDevice(prev);
+        if (err != cudaSuccess) throw std::runtime_error(cudaGetErrorString(err));
+        return std::make_pair(free_b, total_b);
+      },
+      nb::arg("device_ordinal"), "(free, total) bytes from cudaMemGetInfo.");
+
+  m.def("registrations", [] {
+    nb::dict d;
+    d["jax_ep_dispatch_layout"] = Bundle(JaxEpDispatchLayoutExecute);
+    d["jax_ep_probe_all_to_all"] = Bundle(JaxEpProbeAllToAllExecute);
+    return d;
+  }, "FFI targets: name -> {'instantiate': capsule, 'execute': capsule}.");
+
+  m.def("state_type", [] {
+    nb::dict d;
+    d["type_id"] = nb::capsule(reinterpret_cast<void*>(&jax_ep::CommState::id));
+    d["type_info"] = nb::capsule(
+        const_cast<void*>(reinterpret_cast<const void*>(&jax_ep::kCommStateTypeInfo)));
+    return nb::make_tuple("jax_ep.CommState", d);
+  }, "(name, {'type_id': capsule, 'type_info': capsule}) for jax.ffi.register_ffi_type.");
+
+  m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
+  m.attr("window_header_bytes") = jax_ep::kWindowHeaderBytes;
+}

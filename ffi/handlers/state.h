@@ -1,0 +1,51 @@
+// The FFI state shared by every jax_ep handler: created once per call site
+// per executable by the instantiate stage and, as measured (DESIGN §3), shared
+// by all local GPUs of that executable; execute picks its device by ordinal.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "comm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+
+namespace ffi = ::xla::ffi;
+
+struct CommState {
+  // Filled in by XLA when Python registers the type (register_ffi_type).
+  static inline ffi::TypeId id = XLA_FFI_UNKNOWN_TYPE_ID;
+
+  explicit CommState(std::shared_ptr<CommResources> r) : resources(std::move(r)) {}
+  std::shared_ptr<CommResources> resources;
+};
+
+inline constexpr ffi::TypeInfo kCommStateTypeInfo = ffi::MakeTypeInfo<CommState>();
+
+// Instantiate stage of every jax_ep target: resolve `comm_id` once.
+ffi::ErrorOr<std::unique_ptr<CommState>> InstantiateCommState(ffi::Dictionary attrs);
+
+// What an execute handler needs after the common checks: the device's
+// resources and a shared lock that keeps close() from freeing them while
+// the handler enqueues.
+struct DeviceLease {
+  CommResources* comm = nullptr;
+  DeviceResources* dev = nullptr;
+  std::shared_lock<std::shared_mutex> lock;
+};
+
+// Checks that the state matches `comm_id`, that the communicator is open and
+// drives `device_ordinal`, and that no earlier kernel left an error in the
+// status word (the message names the op and cause). `op` names the caller.
+ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal,
+                         const char* op, DeviceLease& lease);
+
+inline ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error::Internal(std::string("jax_ep ") + what + ": " + cudaGetErrorName(err) +
+                              " (" + cudaGetErrorString(err) + ")");
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,70 @@
+"""Thin `jax.ffi.ffi_call` wrappers, one per native op.
+
+Each runs inside `shard_map` on one rank's shard (per-shard shapes) and
+enqueues a CUDA kernel on the communicator `comm_id`. Validation of user
+arguments happens in `jax_ep.ops`; here only what the kernels rely on.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _native
+
+Array = jax.Array
+
+
+def _call(target: str, results, *, vmap_method: str = "sequential"):
+  # Registration is only needed to compile, not to lower/export; skip it when
+  # the CUDA build is absent so that jax.export(platforms=["cuda"]) still works.
+  if _native.cuda_built():
+    _native.ensure_registered()
+  return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)
+
+
+def layout_cuda(topk_idx: Array, *, num_experts: int, num_ranks: int,
+                comm_id: int) -> tuple[Array, Array, Array, Array]:
+  """get_dispatch_layout on the GPU.
+
+  Args:
+    topk_idx: [T, K] int32 expert ids in [-1, E).
+  Returns:
+    num_tokens_per_rank [R] i32, num_tokens_per_expert [E] i32,
+    is_token_in_rank [T, R] bool, pos_in_rank [T, R] i32 (index of the token
+    among this rank's tokens bound for rank j, ascending t; -1 if not going).
+  """
+  if topk_idx.ndim != 2:
+    raise ValueError(f"topk_idx must be [T, K], got shape {list(topk_idx.shape)}")
+  if topk_idx.dtype != jnp.int32:
+    raise ValueError(f"topk_idx must be int32, got {topk_idx.dtype}")
+  if num_experts % num_ranks:
+    raise ValueError(f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
+  t = topk_idx.shape[0]
+  results = (
+      jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+      jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+      jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
+      jax.ShapeDtypeStruct((t, num_ranks), jnp.int32),
+  )
+  # vmap: each batch element is an independent layout -> sequential calls.
+  return tuple(_call("jax_ep_dispatch_layout", results)(
+      topk_idx, comm_id=np.int64(comm_id), num_experts=np.int32(num_experts),
+      num_ranks=np.int32(num_ranks)))
+
+
+def probe_all_to_all_cuda(x: Array, *, comm_id: int) -> Array:
+  """out[s] = x_s[this rank]: `lax.all_to_all(x, axis, 0, 0)` through the
+  communicator's symmetric window and LSA barriers.
+
+  Args:
+    x: [R, ...] any dtype; row j goes to rank j.
+  Returns:
+    [R, ...] like x; row s came from rank s.
+  """
+  if x.ndim < 1:
+    raise ValueError("x must have a leading axis of size num_ranks")
+  # Every rank must make the same sequence of calls, so a batch under vmap
+  # must stay a sequence of whole exchanges.
+  return _call("jax_ep_probe_all_to_all", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+      x, comm_id=np.int64(comm_id))

@@ -1,0 +1,77 @@
+"""The compiled extension, imported lazily, and the one-time registration of
+its FFI targets and state type with JAX (platform "CUDA").
+
+Everything here is safe to call on a machine without GPUs or without the
+CUDA build: `cuda_built()` / `cuda_available()` just say False.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_registered = False
+
+TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all")
+
+
+@functools.lru_cache(maxsize=None)
+def _module() -> Any | None:
+  try:
+    from jax_ep import _jax_ep
+  except ImportError:
+    return None
+  return _jax_ep
+
+
+def module() -> Any:
+  """The extension module; raises ImportError with a hint when it is absent."""
+  m = _module()
+  if m is None:
+    raise ImportError("jax_ep._jax_ep is not built (pip install -e . with a C++ toolchain)")
+  return m
+
+
+def cuda_built() -> bool:
+  """jax_ep was compiled with its CUDA kernels (nvcc and NCCL were found)."""
+  m = _module()
+  return bool(m is not None and getattr(m, "cuda_built", False))
+
+
+def cuda_available() -> bool:
+  """cuda_built() and JAX has a CUDA backend with at least one GPU."""
+  if not cuda_built():
+    return False
+  import jax
+  try:
+    return len(jax.devices("cuda")) > 0
+  except RuntimeError:
+    return False
+
+
+def ensure_registered() -> None:
+  """Registers the FFI state type and targets with JAX once per process.
+
+  Lowering (and `jax.export`) does not need this; compiling for CUDA does.
+  """
+  global _registered
+  if _registered:
+    return
+  with _lock:
+    if _registered:
+      return
+    m = module()
+    if not cuda_built():
+      raise RuntimeError("jax_ep was built without CUDA: the native ops are unavailable")
+    import jax
+    name, type_registration = m.state_type()
+    jax.ffi.register_ffi_type(name, type_registration, platform="CUDA")
+    for target, bundle in m.registrations().items():
+      jax.ffi.register_ffi_target(target, bundle, platform="CUDA", api_version=1)
+    _registered = True
+
+
+def nccl_version() -> tuple[int, int]:
+  """(NCCL_VERSION_CODE jax_ep was compiled against, version of the loaded libnccl)."""
+  return tuple(module().nccl_version())

@@ -1,17 +1,22 @@
 """Per-token, per-128-channel FP8 (e4m3) quantisation.
 
-The CUDA kernels implement exactly these float32 steps (IEEE division, no
-fused multiply-add), so the in-kernel cast is bitwise equal to this one.
+The CUDA kernels implement exactly these float32 steps, so the in-kernel cast
+is bitwise equal to this one. The scale is applied as a multiplication by its
+IEEE reciprocal (inv = 1 / s; q = x * inv): XLA rewrites a division by a
+broadcast value into exactly that, on every backend, so that is the form that
+can be matched bit for bit.
 """
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
 BLOCK = 128
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
+INV_E4M3_MAX = np.float32(1.0) / np.float32(E4M3_MAX)  # float32(1/448)
 FP8_DTYPE = jnp.float8_e4m3fn
 
 
@@ -31,10 +36,12 @@ def quantize(x: jax.Array, *, ue8m0: bool = False) -> tuple[jax.Array, jax.Array
     raise ValueError(f"hidden size {h} must be a multiple of {BLOCK} for FP8")
   xb = x.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK)
   amax = jnp.max(jnp.abs(xb), axis=-1)
-  s = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) / jnp.float32(E4M3_MAX)
+  # x / 448 would become x * (1/448) inside XLA anyway; say so explicitly.
+  s = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * INV_E4M3_MAX
   if ue8m0:
     s = ue8m0_round_up(s)
-  q = jnp.clip(xb / s[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
+  inv = jnp.float32(1.0) / s
+  q = jnp.clip(xb * inv[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
   return q.reshape(*lead, h), s
 
 

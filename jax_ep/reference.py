@@ -51,7 +51,9 @@ def _exchange(x: Array, axis_name: str) -> Array:
 
 
 def _take_rows(table: Array, rows: Array) -> Array:
-  """table[rows] with out-of-range rows (padding) giving zeros."""
+  """table[rows] with rows outside [0, len) (padding, -1) giving zeros."""
+  # jnp.take wraps negative indices even with mode="fill": move them past the end.
+  rows = jnp.where(rows < 0, table.shape[0], rows)
   if table.dtype == _fp8.FP8_DTYPE:
     g = jnp.take(lax.bitcast_convert_type(table, jnp.uint8), rows, axis=0, mode="fill", fill_value=0)
     return lax.bitcast_convert_type(g, _fp8.FP8_DTYPE)

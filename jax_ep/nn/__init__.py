@@ -1,0 +1,4 @@
+"""Flax NNX modules built on the jax_ep ops."""
+from jax_ep.nn.moe import MoE
+
+__all__ = ["MoE"]

@@ -57,6 +57,9 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
                           " was closed; create a new Communicator (and re-trace) to continue");
   }
   DeviceResources* dev = comm->ForOrdinal(device_ordinal);
+  // One device per process (the jax.distributed path): whatever numbering
+  // XLA reports for its only device, it can only be ours.
+  if (dev == nullptr && comm->devices.size() == 1) dev = &comm->devices[0];
   if (dev == nullptr) {
     return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": communicator " +
                                        std::to_string(comm_id) + " does not drive device " +

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# One-command check on the GPU machine: build with CUDA, show the topology and
+# versions, run the GPU tests, run every benchmark, print a summary.
+#
+#   OUT=/some/dir scripts/gpu_check.sh      (PYTHON=python3 by default)
+#
+# $OUT receives at most 8 files: summary.txt, junit.xml, logs.tar.gz,
+# bench.tar.gz and up to 4 benchmark JSON files. Exit status is non-zero if
+# the build, the version check, any test or any benchmark failed.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-$(mktemp -d /tmp/jax_ep_gpu_check.XXXXXX)}
+mkdir -p "$OUT"
+LOGS=$(mktemp -d /tmp/jax_ep_logs.XXXXXX)
+BENCH=$(mktemp -d /tmp/jax_ep_bench.XXXXXX)
+
+# Never NVLink multicast (NVLS): not available / not wanted on these machines.
+export NCCL_NVLS_ENABLE=0
+export JAX_EP_CUDA=ON
+
+status=0
+build="FAIL"; versions="FAIL"; tests="not run"; bench_failed=""; bench_ran=0
+
+note() { echo "== $*" | tee -a "$LOGS/steps.log"; }
+
+note "build (JAX_EP_CUDA=ON)"
+if "$PY" -m pip install --no-build-isolation --no-deps -e . >"$LOGS/build.log" 2>&1; then
+  build="ok"
+else
+  status=1; tail -40 "$LOGS/build.log"
+fi
+
+note "topology"
+{ nvidia-smi topo -m; echo; nvidia-smi; } >"$LOGS/topology.txt" 2>&1 || true
+cat "$LOGS/topology.txt" | head -20
+
+note "versions"
+if "$PY" - >"$LOGS/versions.txt" 2>&1 <<'PYEOF'
+import jax, jaxlib
+import jax_ep
+from jax_ep import _native
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
+print("devices", jax.devices())
+print("cuda_built", _native.cuda_built(), "cuda_available", _native.cuda_available())
+compiled, runtime = _native.nccl_version()
+print("nccl compiled", compiled, "runtime", runtime)
+assert _native.cuda_available(), "CUDA path not available"
+assert compiled == runtime, "NCCL headers and runtime differ"
+PYEOF
+then
+  versions="ok"
+else
+  status=1
+fi
+cat "$LOGS/versions.txt"
+
+note "GPU tests"
+if [ "$build" = ok ]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu -x -q \
+      --junitxml="$OUT/junit.xml" >"$LOGS/pytest.log" 2>&1 || status=1
+  tail -25 "$LOGS/pytest.log"
+  tests=$("$PY" - "$OUT/junit.xml" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as e:
+    print(f"no junit ({e.__class__.__name__})"); sys.exit()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+print(f"{passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped")
+PYEOF
+)
+fi
+
+note "benchmarks"
+for b in benchmarks/bench_*.py; do
+  [ -e "$b" ] || continue
+  name=$(basename "$b" .py)
+  bench_ran=$((bench_ran + 1))
+  echo "-- $name"
+  if ! timeout 900 "$PY" "$b" --out "$BENCH" >"$LOGS/$name.log" 2>&1; then
+    status=1; bench_failed="$bench_failed $name"; tail -15 "$LOGS/$name.log"
+  fi
+done
+
+# Pack: logs and benchmark outputs as two archives; JSON also loose if few.
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+if [ -n "$(ls -A "$BENCH")" ]; then
+  tar -czf "$OUT/bench.tar.gz" -C "$BENCH" .
+  mapfile -t jsons < <(find "$BENCH" -name '*.json' | sort)
+  if [ "${#jsons[@]}" -le 4 ]; then
+    for j in "${jsons[@]}"; do cp "$j" "$OUT/"; done
+  fi
+fi
+
+{
+  echo
+  echo "==================== jax_ep GPU check ===================="
+  printf '%-12s %s\n' "build" "$build"
+  printf '%-12s %s\n' "versions" "$versions"
+  printf '%-12s %s\n' "gpu tests" "$tests"
+  printf '%-12s %s\n' "benchmarks" "$bench_ran run; failed:${bench_failed:- none}"
+  "$PY" - "$BENCH" <<'PYEOF'
+import json, pathlib, sys
+rows = []
+for p in sorted(pathlib.Path(sys.argv[1]).rglob("*.json")):
+    try:
+        data = json.loads(p.read_text())
+    except Exception:
+        continue
+    for r in data if isinstance(data, list) else [data]:
+        if isinstance(r, dict) and "bench" in r:
+            rows.append(r)
+if rows:
+    print(f"{'bench':<16}{'impl':<24}{'dtype':<8}{'time_us':>10}{'nvlink_gbps':>12}{'ratio_ce':>9}")
+    for r in rows:
+        def f(k, fmt):
+            v = r.get(k)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        print(f"{str(r.get('bench')):<16}{str(r.get('impl')):<24}{str(r.get('dtype', '-')):<8}"
+              f"{f('time_us', '10.1f'):>10}{f('nvlink_gbps', '12.1f'):>12}"
+              f"{f('ratio_to_copy_engine', '9.2f'):>9}")
+PYEOF
+  echo "outputs in $OUT; exit status $status"
+} | tee "$OUT/summary.txt"
+
+rm -rf "$LOGS" "$BENCH"
+exit $status

@@ -1,0 +1,66 @@
+"""One process of the 2-process GPU test: python gpu_multiprocess_worker.py
+PORT PROCESS_ID NUM_PROCESSES. Prints 'WORKER OK' on success."""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+
+def main() -> int:
+    port, pid, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
+                               process_id=pid, local_device_ids=[pid])
+    import gpu_helpers as h
+    from jax_ep import _ffi
+    from jax_ep.comm import Communicator
+
+    devs = jax.devices()
+    R = len(devs)
+    assert R == nproc, devs
+    mesh = Mesh(np.array(devs), (h.AXIS,))
+    comm = Communicator.create(mesh, h.AXIS, 64 << 20, timeout_s=20.0)
+    info = comm.info()
+    assert len(info) == 1 and info[0]["rank"] == pid and info[0]["nranks"] == R, info
+
+    # probe vs lax.all_to_all, identical inputs on every process (same seed).
+    n = 1000
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((R, R, n)).astype(np.float32)
+    f = h.per_rank_jit(mesh, lambda v: (_ffi.probe_all_to_all_cuda(v, comm_id=comm.comm_id),
+                                        lax.all_to_all(v, h.AXIS, 0, 0)))
+    for step in range(50):
+        got, want = f(h.put(mesh, x + step))
+        for r, g in h.local_rows(got).items():
+            np.testing.assert_array_equal(g, h.local_rows(want)[r], err_msg=f"step {step}")
+            np.testing.assert_array_equal(g, (x + step)[:, r], err_msg=f"step {step}")
+
+    # layout vs the oracle.
+    T, K, E = 513, 4, 16
+    idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
+    g = h.per_rank_jit(mesh, lambda i: _ffi.layout_cuda(i, num_experts=E, num_ranks=R,
+                                                         comm_id=comm.comm_id))
+    outs = g(h.put(mesh, idx))
+    for k, (name, arr) in enumerate(zip(("per_rank", "per_expert", "in_rank", "pos"), outs)):
+        for r, got in h.local_rows(arr).items():
+            np.testing.assert_array_equal(got, h.layout_oracle(idx[r], E, R)[k],
+                                          err_msg=f"{name} rank {r}")
+    comm.check()
+    comm.close()
+    jax.distributed.shutdown()
+    print("WORKER OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

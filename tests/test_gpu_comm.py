@@ -1,0 +1,177 @@
+"""Communicator lifetime and the probe all-to-all over the NCCL device API (GPU)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ep import _native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.cuda_available(), reason="needs jax_ep's CUDA build and GPUs"),
+]
+
+if _native.cuda_available():
+    import gpu_helpers as h
+    from jax_ep import _ffi
+    from jax_ep import comm as comm_mod
+    from jax_ep.comm import Communicator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _mesh2():
+    devs = jax.devices("cuda")
+    if len(devs) < 2:
+        pytest.skip("needs 2 GPUs")
+    return jax.sharding.Mesh(np.array(devs[:2]), (h.AXIS,))
+
+
+def test_nccl_runtime_matches_compiled_headers():
+    compiled, runtime = _native.nccl_version()
+    assert compiled == runtime
+
+
+def test_create_reports_ranks_devices_and_window():
+    mesh = _mesh2()
+    with Communicator.create(mesh, h.AXIS, 5 << 20) as c:
+        assert comm_mod.current(h.AXIS) is c
+        info = sorted(c.info(), key=lambda d: d["rank"])
+        assert [d["rank"] for d in info] == [0, 1]
+        assert [d["device_ordinal"] for d in info] == [d.local_hardware_id for d in mesh.devices]
+        assert all(d["window_bytes"] == 6 << 20 for d in info)  # rounded to 2 MiB
+        assert all(d["lsa_size"] == 2 for d in info)
+    assert c.closed and comm_mod.current(h.AXIS) is None
+
+
+@pytest.mark.parametrize("dtype,n", [(jnp.float32, 4096), (jnp.bfloat16, 1000), (jnp.int8, 77)])
+def test_probe_equals_all_to_all_for_200_steps(dtype, n):
+    mesh = _mesh2()
+    R = 2
+    rng = np.random.default_rng(3)
+    with Communicator.create(mesh, h.AXIS, 16 << 20) as c:
+        f = h.per_rank_jit(mesh, lambda v: (_ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id),
+                                            lax.all_to_all(v, h.AXIS, 0, 0)))
+        base = rng.integers(-100, 100, size=(R, R, n))
+        for step in range(200):
+            x = jnp.asarray(base + step, dtype)
+            got, want = f(h.put(mesh, np.asarray(x)))
+            got, want = np.asarray(got), np.asarray(want)
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+            np.testing.assert_array_equal(got, np.swapaxes(np.asarray(x), 0, 1),
+                                          err_msg=f"step {step}")
+        c.check()
+
+
+def test_probe_many_calls_in_one_jit_stay_in_step():
+    """Back-to-back exchanges in one program: the entry barrier keeps a fast
+    rank from overwriting slots its peer is still reading."""
+    mesh = _mesh2()
+    with Communicator.create(mesh, h.AXIS, 64 << 20) as c:
+        def body(v):
+            outs = []
+            for i in range(8):
+                outs.append(_ffi.probe_all_to_all_cuda(v + i, comm_id=c.comm_id))
+            return jnp.stack(outs)
+
+        x = np.random.default_rng(4).standard_normal((2, 2, 3 << 16)).astype(np.float32)
+        got = np.asarray(h.per_rank_jit(mesh, body)(h.put(mesh, x)))
+        for r in range(2):
+            for i in range(8):
+                np.testing.assert_array_equal(got[r, i], x[:, r] + i)
+        c.check()
+
+
+def test_probe_rejects_a_window_too_small():
+    mesh = _mesh2()
+    with Communicator.create(mesh, h.AXIS, 2 << 20) as c:
+        f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id))
+        x = np.zeros((2, 2, 1 << 20), np.float32)  # 8 MiB of slots > 2 MiB window
+        with pytest.raises(Exception, match="num_bytes"):
+            jax.block_until_ready(f(h.put(mesh, x)))
+
+
+def test_using_a_closed_communicator_raises_instead_of_touching_freed_memory():
+    mesh = _mesh2()
+    c = Communicator.create(mesh, h.AXIS, 4 << 20)
+    comm_id = c.comm_id
+    f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=comm_id))
+    x = h.put(mesh, np.ones((2, 2, 64), np.float32))
+    jax.block_until_ready(f(x))
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(Exception, match="closed"):
+        jax.block_until_ready(f(x))
+
+
+def test_create_use_close_20_times_returns_gpu_memory():
+    mesh = _mesh2()
+    ordinals = [d.local_hardware_id for d in mesh.devices]
+    native = _native.module()
+    x = h.put(mesh, np.arange(2 * 2 * 1024, dtype=np.float32).reshape(2, 2, 1024))
+
+    def cycle():
+        with Communicator.create(mesh, h.AXIS, 512 << 20) as c:
+            f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id))
+            jax.block_until_ready(f(x))
+
+    cycle()  # first-use allocations (NCCL, XLA, the jit) are not leaks
+    base = [native.mem_get_info(o)[0] for o in ordinals]
+    for _ in range(20):
+        cycle()
+    after = [native.mem_get_info(o)[0] for o in ordinals]
+    for o, b, a in zip(ordinals, base, after):
+        assert b - a < (256 << 20), f"device {o}: {(b - a) >> 20} MiB not returned"
+
+
+def test_create_rejects_a_missing_axis_and_a_tiny_window():
+    mesh = _mesh2()
+    with pytest.raises(ValueError, match="axis_name"):
+        Communicator.create(mesh, "tp")
+    with pytest.raises(ValueError, match="num_bytes"):
+        Communicator.create(mesh, h.AXIS, 4096)
+
+
+def test_check_size_against_buffer_size_hint():
+    mesh = _mesh2()
+    with Communicator.create(mesh, h.AXIS, 2 << 20) as c:
+        with pytest.raises(ValueError, match="num_bytes"):
+            c.check_size(num_ranks=2, tokens_per_rank=4096, hidden=7168, topk=8, num_experts=256)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_one_gpu_each():
+    if len(jax.devices("cuda")) < 2:
+        pytest.skip("needs 2 GPUs")
+    port = _free_port()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    worker = os.path.join(HERE, "gpu_multiprocess_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), "2"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and "WORKER OK" in out, f"process {i}:\n{out[-4000:]}"

@@ -1,0 +1,436 @@
+"""DESIGN §6 "Normal" benchmark: MoE dispatch / combine at EP=2 on one host.
+
+4096 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
+BF16 and FP8 dispatch, BF16 combine, rank layout (DeepEP "normal"). Measured in
+the same process run:
+  jax_ep                  the CUDA kernels (backend="cuda")
+  reference               jax_ep's pure-JAX backend (backend="reference")
+  jax_ragged_all_to_all   sort by expert + lax.ragged_all_to_all (MaxText style)
+  jax_capacity_all_to_all per-expert capacity-padded lax.all_to_all (factor 1.25)
+  jax_all_to_all          one row per (token, destination rank) + dense all_to_all
+  copy_engine             bidirectional 256 MB cudaMemcpyPeerAsync (cupy), the ceiling
+
+Bandwidth: `nvlink_gbps` counts the bytes that had to cross NVLink for the
+op (rows sent to the other ranks; the same figure for every impl, so ratios
+compare times), `logical_gbps` DeepEP's figure including local rows. Times are
+medians over repeats of a jitted step that runs the op `iters` times
+back-to-back (each call chained to the previous one through
+lax.optimization_barrier so XLA cannot hoist or merge them), divided by `iters`.
+
+  python benchmarks/bench_normal.py [--quick] [--sweep] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "normal.json")
+
+
+@dataclasses.dataclass
+class Shape:
+  tokens: int = 4096
+  hidden: int = 7168
+  topk: int = 8
+  experts: int = 256
+  ranks: int = 2
+
+
+# ---------------------------------------------------------------- helpers
+
+def _commit() -> str:
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                                   stderr=subprocess.DEVNULL).decode().strip()
+  except Exception:  # noqa: BLE001 - informational only
+    return "unknown"
+
+
+def _machine(devices) -> str:
+  kinds = sorted({d.device_kind for d in devices})
+  return f"{len(devices)}x {'/'.join(kinds)}"
+
+
+def _routing(key, shape: Shape):
+  """Global [R*T, K] distinct uniform experts, weights, and x."""
+  import jax
+  import jax.numpy as jnp
+  n = shape.ranks * shape.tokens
+  k1, k2, k3 = jax.random.split(key, 3)
+  scores = jax.random.uniform(k1, (n, shape.experts))
+  topk_idx = jnp.argsort(scores, axis=1)[:, :shape.topk].astype(jnp.int32)
+  w = jax.random.uniform(k2, (n, shape.topk), jnp.float32, 0.1, 1.0)
+  x = jax.random.normal(k3, (n, shape.hidden), jnp.float32).astype(jnp.bfloat16)
+  return x, topk_idx, w
+
+
+def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int) -> tuple[float, float]:
+  """(NVLink bytes, logical bytes) per rank, averaged over ranks."""
+  e_l = shape.experts // shape.ranks
+  t = shape.tokens
+  nv, lg = [], []
+  for r in range(shape.ranks):
+    ids = topk_idx[r * t:(r + 1) * t]
+    dest = np.where(ids >= 0, ids // e_l, -1)
+    in_rank = np.stack([(dest == j).any(axis=1) for j in range(shape.ranks)], axis=1)
+    rows_all = in_rank.sum()
+    rows_remote = rows_all - in_rank[:, r].sum()
+    nv.append(rows_remote * row_bytes)
+    lg.append(rows_all * row_bytes)
+  return float(np.mean(nv)), float(np.mean(lg))
+
+
+def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
+  """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
+  import jax
+  from jax import lax
+
+  def step(*a):
+    out = None
+    carry = a
+    for _ in range(iters):
+      out = fn(*carry)
+      carry = lax.optimization_barrier((carry, out))[0]
+    return out
+
+  jstep = jax.jit(step)
+  jax.block_until_ready(jstep(*args))  # compile + warm-up
+  jax.block_until_ready(jstep(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jstep(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) / iters
+
+
+def _adaptive_iters(fn, args, quick: bool) -> tuple[int, int]:
+  """Few iterations for slow baselines (ragged_all_to_all takes ~100 ms)."""
+  t = _time_step(fn, args, iters=1, repeats=1)
+  if t > 20e-3:
+    return 1, 3
+  if quick:
+    return 5, 5
+  return (20, 9) if t < 2e-3 else (5, 5)
+
+
+def copy_engine_gbps(devices, nbytes: int = 256 << 20, repeats: int = 10) -> tuple[float, str]:
+  """Per-direction GB/s of a bidirectional peer copy, both GPUs at once."""
+  try:
+    import cupy as cp
+  except ImportError:
+    return _device_put_gbps(devices, nbytes, repeats), "device_put (cupy missing: not the copy-engine ceiling)"
+  ids = [d.id for d in devices[:2]]
+  bufs, streams, events = {}, {}, {}
+  for i in ids:
+    with cp.cuda.Device(i):
+      bufs[i] = (cp.empty(nbytes, cp.uint8), cp.empty(nbytes, cp.uint8))
+      bufs[i][0].fill(1)
+      streams[i] = cp.cuda.Stream(non_blocking=True)
+      events[i] = (cp.cuda.Event(), cp.cuda.Event())
+  for a in ids:
+    for b in ids:
+      if a != b:
+        with cp.cuda.Device(a):
+          try:
+            cp.cuda.runtime.deviceEnablePeerAccess(b)
+          except cp.cuda.runtime.CUDARuntimeError:
+            pass  # already enabled
+  a, b = ids
+  per = []
+  for it in range(repeats + 2):
+    for src, dst in ((a, b), (b, a)):
+      with cp.cuda.Device(src):
+        events[src][0].record(streams[src])
+        cp.cuda.runtime.memcpyPeerAsync(bufs[dst][1].data.ptr, dst, bufs[src][0].data.ptr, src,
+                                        nbytes, streams[src].ptr)
+        events[src][1].record(streams[src])
+    ms = []
+    for src in (a, b):
+      with cp.cuda.Device(src):
+        events[src][1].synchronize()
+        ms.append(cp.cuda.get_elapsed_time(events[src][0], events[src][1]))
+    if it >= 2:
+      per.append(nbytes / (max(ms) * 1e-3) / 1e9)
+  return statistics.median(per), "copy_engine (cupy memcpyPeerAsync, both directions at once)"
+
+
+def _device_put_gbps(devices, nbytes, repeats) -> float:
+  import jax
+  import jax.numpy as jnp
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), devices[0])
+  jax.block_until_ready(jax.device_put(x, devices[1]))
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(x, devices[1]))
+    ts.append(time.perf_counter() - t0)
+  return nbytes / statistics.median(ts) / 1e9
+
+
+# ---------------------------------------------------------------- baselines (per rank)
+
+def _dense_all_to_all_dispatch(x, topk_idx, *, shape: Shape, axis: str):
+  """One row per (token, destination rank), zero where the token does not go."""
+  import jax.numpy as jnp
+  from jax import lax
+  e_l = shape.experts // shape.ranks
+  dest = jnp.where(topk_idx >= 0, topk_idx // e_l, -1)
+  in_rank = (dest[:, :, None] == jnp.arange(shape.ranks)).any(axis=1)  # [T, R]
+  buf = jnp.where(in_rank.T[:, :, None], x[None], jnp.zeros((), x.dtype))  # [R, T, H]
+  return lax.all_to_all(buf, axis, 0, 0, tiled=False)
+
+
+def _dense_all_to_all_combine(y, topk_idx, w, *, shape: Shape, axis: str):
+  """Inverse of the dense dispatch: rows back, weighted f32 sum per token."""
+  import jax.numpy as jnp
+  from jax import lax
+  back = lax.all_to_all(y, axis, 0, 0, tiled=False)  # [R, T, H]: [j, t] = row of t on rank j
+  e_l = shape.experts // shape.ranks
+  dest = jnp.where(topk_idx >= 0, topk_idx // e_l, -1)
+  wr = jnp.stack([jnp.where(dest == j, w, 0).sum(axis=1) for j in range(shape.ranks)])  # [R, T]
+  return jnp.einsum("rt,rth->th", wr, back.astype(jnp.float32)).astype(y.dtype)
+
+
+def _capacity_all_to_all_dispatch(x, topk_idx, *, shape: Shape, axis: str, factor: float = 1.25):
+  import jax.numpy as jnp
+  from jax import lax
+  t, k = topk_idx.shape
+  e = shape.experts
+  cap = int(np.ceil(factor * t * k / e))
+  flat = topk_idx.reshape(-1)
+  onehot = (flat[:, None] == jnp.arange(e)[None]).astype(jnp.int32)
+  pos = (jnp.cumsum(onehot, axis=0) - 1)[jnp.arange(t * k), jnp.maximum(flat, 0)]
+  ok = (flat >= 0) & (pos < cap)
+  slot = jnp.where(ok, flat * cap + pos, e * cap)
+  buf = jnp.zeros((e * cap + 1, x.shape[1]), x.dtype).at[slot].set(x[jnp.arange(t * k) // k])
+  buf = buf[:-1].reshape(shape.ranks, (e // shape.ranks) * cap, x.shape[1])
+  return lax.all_to_all(buf, axis, 0, 0, tiled=False)
+
+
+def _ragged_all_to_all_dispatch(x, topk_idx, *, shape: Shape, axis: str):
+  import jax.numpy as jnp
+  from jax import lax
+  t, k = topk_idx.shape
+  e_l = shape.experts // shape.ranks
+  flat = topk_idx.reshape(-1)
+  order = jnp.argsort(flat)
+  x_sorted = x[order // k]
+  dest = flat[order] // e_l
+  send = jnp.sum(dest[:, None] == jnp.arange(shape.ranks)[None], axis=0).astype(jnp.int32)
+  in_off = (jnp.cumsum(send) - send).astype(jnp.int32)
+  sizes = lax.all_gather(send, axis)                       # [src, dst]
+  r = lax.axis_index(axis)
+  below = (jnp.arange(shape.ranks) < r)[:, None]
+  out_off = jnp.sum(jnp.where(below, sizes, 0), axis=0).astype(jnp.int32)  # where my chunk lands on j
+  recv = sizes[:, r].astype(jnp.int32)
+  out = jnp.zeros((shape.ranks * t * k, x.shape[1]), x.dtype)
+  return lax.ragged_all_to_all(x_sorted, out, in_off, send, out_off, recv, axis_name=axis)
+
+
+# ---------------------------------------------------------------- runs
+
+def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh
+  import jax_ep
+
+  devices = jax.devices()[:shape.ranks]
+  mesh = Mesh(np.array(devices), ("ep",))
+  x, topk_idx, w = _routing(jax.random.PRNGKey(0), shape)
+  x_fp8 = jax_ep.quantize(x)
+  idx_np = np.asarray(topk_idx)
+  h = shape.hidden
+  smap = functools.partial(jax_ep.shard_map, mesh=mesh)
+  disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
+  sms = int(os.environ.get("JAX_EP_NUM_SMS", "0")) or 24
+  results = []
+  impls = impls or ["jax_ep", "reference", "jax_all_to_all", "jax_capacity_all_to_all",
+                    "jax_ragged_all_to_all"]
+
+  def record(bench, impl, dtype, t, row_bytes, nsms=None):
+    nv, lg = _bytes(idx_np, shape, row_bytes)
+    results.append(dict(bench=bench, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
+                        hidden=h, topk=shape.topk, experts=shape.experts, ranks=shape.ranks,
+                        time_us=t * 1e6, nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
+                        sms=nsms))
+
+  def bench(name, impl, dtype, fn, args, row_bytes, nsms=None):
+    try:
+      iters, reps = _adaptive_iters(fn, args, quick)
+      t = _time_step(fn, args, iters=iters, repeats=reps)
+    except Exception as e:  # noqa: BLE001 - a failing impl must not hide the others
+      print(f"  {name}/{impl}/{dtype}: FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+      return
+    record(name, impl, dtype, t, row_bytes, nsms)
+    print(f"  {name:16s} {impl:24s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
+
+  bf16_row = h * 2
+  fp8_row = h + (h // 128) * 4
+  need = jax_ep.get_buffer_size_hint if jax_ep.get_buffer_size_hint else None
+  comm = None
+  if "jax_ep" in impls:
+    from jax_ep._ffi_dispatch import window_bytes_needed
+    nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
+                                              hidden=h, topk=shape.topk, num_experts=shape.experts))
+    comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
+  del need
+  try:
+    for impl in impls:
+      if impl in ("jax_ep", "reference"):
+        backend = "cuda" if impl == "jax_ep" else "reference"
+        nsms = sms if impl == "jax_ep" else None
+        f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
+        bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
+        f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
+        bench("normal_dispatch", impl, "fp8", f_fp8, (*x_fp8, topk_idx, w), fp8_row, nsms)
+        f_cast = smap(lambda x, i, w, b=backend: disp(x, i, w, fp8=True, backend=b).recv_x)
+        bench("normal_dispatch", impl + ("_cast" if impl == "jax_ep" else "_cast"), "fp8",
+              f_cast, (x, topk_idx, w), fp8_row, nsms)
+
+        def comb(x, i, w, b=backend):
+          out = disp(x, i, w, backend=b)
+          return out.recv_x, out.recv_topk_weights, out.handle
+        recv, rw, handle = jax.jit(smap(comb))(x, topk_idx, w)
+        row_w = rw.max(axis=-1)  # a per-row weight (rank layout rows carry K weights)
+        f_comb = smap(lambda y, hd, wr, b=backend: jax_ep.combine(y, hd, wr, backend=b))
+        bench("normal_combine", impl, "bf16", f_comb, (recv, handle, row_w), bf16_row, nsms)
+      elif impl == "jax_all_to_all":
+        f = smap(functools.partial(_dense_all_to_all_dispatch, shape=shape, axis="ep"))
+        bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)
+        y = jax.jit(f)(x, topk_idx)
+        fc = smap(functools.partial(_dense_all_to_all_combine, shape=shape, axis="ep"))
+        bench("normal_combine", impl, "bf16", fc, (y, topk_idx, w), bf16_row)
+      elif impl == "jax_capacity_all_to_all":
+        f = smap(functools.partial(_capacity_all_to_all_dispatch, shape=shape, axis="ep"))
+        bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)
+      elif impl == "jax_ragged_all_to_all":
+        f = smap(functools.partial(_ragged_all_to_all_dispatch, shape=shape, axis="ep"))
+        bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)
+  finally:
+    if comm is not None:
+      comm.close()
+  return results
+
+
+def _finish(records: list[dict], ce_gbps: float, ce_note: str, machine: str) -> None:
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  commit = _commit()
+  for r in records:
+    r["ratio_to_copy_engine"] = (r["nvlink_gbps"] / ce_gbps) if r.get("nvlink_gbps") else None
+    r.update(machine=machine, date=date, commit=commit)
+  records.append(dict(bench="copy_engine", impl="copy_engine", dtype="u8", tokens_per_rank=None,
+                      hidden=None, topk=None, experts=None, ranks=2, time_us=None,
+                      nvlink_gbps=ce_gbps, logical_gbps=None, sms=None, ratio_to_copy_engine=1.0,
+                      machine=machine, date=date, commit=commit, note=ce_note))
+
+
+def _table(records: list[dict]) -> str:
+  hdr = f"{'bench':16s} {'impl':24s} {'dtype':5s} {'tok':>6s} {'time_us':>10s} {'nvlink':>8s} {'logical':>8s} {'sms':>4s} {'x_ce':>6s}"
+  lines = [hdr, "-" * len(hdr)]
+  for r in records:
+    f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
+    lines.append(f"{r['bench']:16s} {r['impl']:24s} {r['dtype']:5s} {f(r['tokens_per_rank'], '%6d'):>6s} "
+                 f"{f(r['time_us'], '%10.1f'):>10s} {f(r['nvlink_gbps'], '%8.1f'):>8s} "
+                 f"{f(r['logical_gbps'], '%8.1f'):>8s} {f(r['sms'], '%4d'):>4s} "
+                 f"{f(r['ratio_to_copy_engine'], '%6.2f'):>6s}")
+  return "\n".join(lines)
+
+
+def _plot(records: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for ax, bench in zip(axes, ("normal_dispatch", "normal_combine")):
+    series = {}
+    for r in records:
+      if r["bench"] == bench and r["tokens_per_rank"]:
+        series.setdefault(f"{r['impl']} {r['dtype']}", []).append((r["tokens_per_rank"], r["time_us"]))
+    for name, pts in sorted(series.items()):
+      pts.sort()
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("µs per call (median)")
+    ax.set_title(bench)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for JSON/PNG")
+  ap.add_argument("--quick", action="store_true", help="1024 tokens, fewer iterations, no ragged baseline")
+  ap.add_argument("--sweep", action="store_true", help="tokens 128..16384, writes a PNG")
+  ap.add_argument("--tokens", type=int, default=None)
+  args = ap.parse_args(argv)
+
+  try:
+    import jax
+  except ImportError:
+    print("bench_normal: jax is not installed", file=sys.stderr)
+    return 2
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    gpus = []
+  if len(gpus) < 2:
+    print(f"bench_normal: needs 2 GPUs visible to JAX, found {len(gpus)} "
+          f"(backend: {jax.default_backend()}); nothing measured.", file=sys.stderr)
+    return 2
+  import jax_ep
+  if not jax_ep.cuda_available():
+    print("bench_normal: jax_ep was built without CUDA (pip install -e . with nvcc + NCCL)", file=sys.stderr)
+    return 2
+
+  machine = _machine(gpus[:2])
+  ce, ce_note = copy_engine_gbps(gpus[:2])
+  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  records: list[dict] = []
+  if args.sweep:
+    toks = [128 << i for i in range(8)]  # 128 .. 16384
+    for t in toks:
+      print(f"tokens/rank = {t}", flush=True)
+      impls = ["jax_ep", "reference", "jax_all_to_all"] + ([] if t > 4096 else ["jax_capacity_all_to_all"])
+      records += run(Shape(tokens=t), quick=True, impls=impls)
+  else:
+    t = args.tokens or (1024 if args.quick else 4096)
+    impls = None if not args.quick else ["jax_ep", "reference", "jax_all_to_all"]
+    records += run(Shape(tokens=t), quick=args.quick, impls=impls)
+  _finish(records, ce, ce_note, machine)
+
+  os.makedirs(args.out, exist_ok=True)
+  name = "normal_sweep" if args.sweep else "normal"
+  with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+    json.dump(records, f, indent=1)
+  os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+  if os.path.abspath(os.path.join(args.out, f"{name}.json")) != os.path.abspath(RESULTS):
+    with open(RESULTS if not args.sweep else RESULTS.replace("normal.json", "normal_sweep.json"), "w") as f:
+      json.dump(records, f, indent=1)
+  if args.sweep:
+    png = os.path.join(args.out, "normal_sweep.png")
+    _plot(records, png)
+    print(f"plot: {png}")
+  print(_table(records))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,719 @@
+// Normal (high-throughput) dispatch over LSA: see ep_kernels.h for the kernel
+// sequence and window_layout.h for where the bytes go.
+//
+// Why push into [source][slot] rows: XLA's output buffers cannot be mapped by
+// the peers, so every remote row must land in the receiver's symmetric window
+// first. Indexing the receive area by (source rank, pos_in_rank) lets each
+// sender write its rows at offsets it computes alone (pos_in_rank is its own
+// prefix sum), so the data phase needs no round trip. The counts exchange
+// that precedes it is only for the receiver's output offsets, which lets the
+// sender also write its *local* rows straight into the outputs while the
+// NVLink stores are in flight (the local copy is then off the critical path).
+//
+// Errors: a rank that has failed (bad expert id, status already set, peer
+// timeout) still takes part in every barrier but stores nothing into peers'
+// windows; peers notice through the epoch-tagged counts / ok words and zero
+// their outputs (and report), so nothing wrong is ever written.
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <string>
+
+#include "ep_copy.cuh"
+#include "ep_kernels.h"
+#include "fp8.cuh"
+#include "window_layout.h"
+
+namespace jax_ep {
+
+int EpDtypeBytes(EpDtype d) {
+  switch (d) {
+    case EpDtype::kBF16: return 2;
+    case EpDtype::kF16: return 2;
+    case EpDtype::kF32: return 4;
+    case EpDtype::kFp8E4m3: return 1;
+  }
+  return 0;
+}
+
+namespace {
+
+constexpr int kPrepThreads = 512;
+constexpr int kControlThreads = 1024;   // one thread per local expert in the control kernel
+constexpr int kDataThreads = 1024;      // 32 warps: one token (row) per warp at a time
+constexpr int kCastThreads = 512;       // push kernel with the in-kernel FP8 cast
+constexpr int kUnroll = 4;              // 16-byte loads in flight per lane (DESIGN §5)
+constexpr int kMaxLocalExperts = kControlThreads;
+constexpr int kMaxTopk = 32;            // one lane per top-k slot
+
+struct DispatchCfg {
+  int T, H, K, E, El, C, align;
+  int expert;       // layout == expert
+  int in_bytes;     // bytes per element of x
+  int has_scales;   // payload is FP8 (input FP8 or cast)
+  int ue8m0;
+};
+
+struct PushIO {
+  const void* x;
+  const float* x_scales;
+  const int32_t* topk;
+  const float* topk_w;
+  const int32_t* pos_in_rank;
+  void* recv_x;
+  float* recv_scales;
+  int32_t* recv_topk_idx;
+  float* recv_topk_w;
+  int32_t* src_rank;
+  int32_t* src_token;
+  int32_t* src_k;
+  int32_t* counts;
+  int32_t* recv_counts;
+};
+
+__device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow& w) {
+  return reinterpret_cast<int*>(p.base[p.rank] + w.scratch_off);
+}
+
+// ---------------------------------------------------------------- prep
+// Blocks [0, R): pos_in_rank[:, j] (ascending t) and tokens_per_rank[j];
+// block 0 also checks every id. Blocks [R, R+E) (expert layout): rie[t, k] =
+// rank of (t, k) among this rank's entries for expert e, in (t, k) order.
+__global__ void __launch_bounds__(kPrepThreads) DispatchPrepKernel(DispatchCfg c, DispatchWindow w,
+                                                                    EpPeers p,
+                                                                    const int32_t* __restrict__ topk,
+                                                                    int32_t* __restrict__ pos_in_rank) {
+  using Scan = cub::BlockScan<int, kPrepThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int s_bad;
+  const int R = p.nranks;
+  const DispatchScratch sc(R, c.E);
+  int* scratch = ScratchOf(p, w);
+  int* rie = reinterpret_cast<int*>(p.base[p.rank] + w.rie_off);
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  const int chunk = (c.T + kPrepThreads - 1) / kPrepThreads;
+  const int t0 = min(c.T, static_cast<int>(threadIdx.x) * chunk);
+  const int t1 = min(c.T, t0 + chunk);
+  const int b = blockIdx.x;
+  if (b < R) {
+    const int j = b;
+    int n = 0;
+    bool bad = false;
+    for (int t = t0; t < t1; ++t) {
+      bool in = false;
+      for (int k = 0; k < c.K; ++k) {
+        const int id = topk[static_cast<size_t>(t) * c.K + k];
+        if (id < -1 || id >= c.E) bad = true;
+        else if (id >= 0 && id / c.El == j) in = true;
+      }
+      n += in;
+    }
+    int off, total;
+    Scan(tmp).ExclusiveSum(n, off, total);
+    for (int t = t0; t < t1; ++t) {
+      bool in = false;
+      for (int k = 0; k < c.K; ++k) {
+        const int id = topk[static_cast<size_t>(t) * c.K + k];
+        if (id >= 0 && id < c.E && id / c.El == j) in = true;
+      }
+      pos_in_rank[static_cast<size_t>(t) * R + j] = in ? off++ : -1;
+    }
+    if (bad) atomicOr(&s_bad, 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      scratch[sc.tokens_per_rank + j] = total;
+      if (j == 0) {
+        scratch[DispatchScratch::kBadIds] = s_bad;
+        if (s_bad) report_error(p, Op::kDispatch, Cause::kBadExpertId);
+      }
+    }
+  } else {
+    const int e = b - R;
+    int n = 0;
+    for (int t = t0; t < t1; ++t)
+      for (int k = 0; k < c.K; ++k) n += topk[static_cast<size_t>(t) * c.K + k] == e;
+    int off, total;
+    Scan(tmp).ExclusiveSum(n, off, total);
+    for (int t = t0; t < t1; ++t)
+      for (int k = 0; k < c.K; ++k)
+        if (topk[static_cast<size_t>(t) * c.K + k] == e) rie[static_cast<size_t>(t) * c.K + k] = off++;
+    if (threadIdx.x == 0) scratch[sc.entries_per_expert + e] = total;
+  }
+}
+
+// ---------------------------------------------------------------- control
+// One block. Start barrier (peers are done reading our area from the previous
+// op), counts to every receiver, barrier, then this rank's output offsets and
+// the capacity check. Counts slot i of source s: [0] token rows, [1] (t, k)
+// entries, [2 + e] entries for local expert e (expert layout only).
+__global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(DispatchCfg c,
+                                                                          DispatchWindow w,
+                                                                          EpPeers p, PushIO io) {
+  using Scan = cub::BlockScan<int, kControlThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int s_fail;
+  __shared__ int s_total;
+  __shared__ unsigned s_badpeer;
+  __shared__ unsigned long long s_tag;
+  extern __shared__ int s_counts[];  // [R][nslots]
+  const int R = p.nranks, r = p.rank, El = c.El;
+  const DispatchScratch sc(R, c.E);
+  int* scratch = ScratchOf(p, w);
+  const int nslots = c.expert ? w.counts_stride : 2;
+  const int tid = threadIdx.x;
+
+  if (tid == 0) {
+    bool fail = has_error(p) || scratch[DispatchScratch::kBadIds] != 0;
+    if (!rank_barrier(p, Op::kDispatch)) fail = true;
+    s_fail = fail;
+    s_tag = *p.epoch;
+    s_badpeer = 0;
+  }
+  __syncthreads();
+  if (!s_fail) {
+    for (int idx = tid; idx < R * nslots; idx += blockDim.x) {
+      const int j = idx / nslots, i = idx % nslots;
+      int v = 0;
+      if (i == 0) {
+        v = scratch[sc.tokens_per_rank + j];
+      } else if (i == 1) {
+        if (c.expert)
+          for (int e = 0; e < El; ++e) v += scratch[sc.entries_per_expert + j * El + e];
+      } else {
+        v = scratch[sc.entries_per_expert + j * El + (i - 2)];
+      }
+      uint64_t* dst = reinterpret_cast<uint64_t*>(p.base[j] + w.counts_off) +
+                      static_cast<size_t>(r) * w.counts_stride + i;
+      StU64Volatile(dst, MakeTagged(s_tag, static_cast<uint32_t>(v)));
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence_system();
+    if (!rank_barrier(p, Op::kDispatch)) s_fail = 1;
+  }
+  __syncthreads();
+  const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.base[r] + w.counts_off);
+  for (int idx = tid; idx < R * nslots; idx += blockDim.x) {
+    const int s = idx / nslots, i = idx % nslots;
+    const uint64_t word = LdU64Volatile(mine + static_cast<size_t>(s) * w.counts_stride + i);
+    if (!TagMatches(word, s_tag)) atomicOr(&s_badpeer, 1u << s);
+    s_counts[idx] = static_cast<int>(static_cast<uint32_t>(word));
+  }
+  __syncthreads();
+  if (tid == 0 && !s_fail && s_badpeer != 0) {
+    report_error(p, Op::kDispatch, Cause::kPeerTimeout, 0x80u | (__ffs(s_badpeer) - 1));
+  }
+  const bool fail = s_fail || s_badpeer != 0;  // block-uniform
+  // Token-row prefix per source: rank-layout output offsets, and in both
+  // layouts where each source's rows sit in our window.
+  if (tid == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      scratch[sc.prefix + s] = acc;
+      acc += fail ? 0 : s_counts[s * nslots];
+    }
+    scratch[sc.prefix + R] = acc;
+    if (!c.expert) s_total = acc;
+  }
+  int padded = 0;
+  if (c.expert) {
+    int gsize = 0;
+    if (tid < El && !fail) {
+      for (int s = 0; s < R; ++s) gsize += s_counts[s * nslots + 2 + tid];
+      padded = (gsize + c.align - 1) / c.align * c.align;
+    }
+    int goff, total;
+    Scan(tmp).ExclusiveSum(padded, goff, total);
+    if (tid < El) {
+      scratch[sc.group_off + tid] = goff;
+      scratch[sc.group_size + tid] = gsize;
+      int a = goff;
+      for (int s = 0; s < R; ++s) {
+        scratch[sc.src_off + tid * R + s] = a;
+        a += fail ? 0 : s_counts[s * nslots + 2 + tid];
+      }
+    }
+    if (tid == 0) {
+      scratch[sc.group_off + El] = total;
+      s_total = total;
+    }
+  }
+  __syncthreads();
+  const bool overflow = !fail && s_total > c.C;
+  const bool ok = !fail && !overflow;
+  if (tid == 0) {
+    if (overflow) report_error(p, Op::kDispatch, Cause::kCapacityOverflow);
+    scratch[DispatchScratch::kOk] = ok ? 1 : 0;
+    scratch[DispatchScratch::kTotal] = ok ? s_total : 0;
+  }
+  if (tid < R) {
+    const int v = ok ? s_counts[tid * nslots + (c.expert ? 1 : 0)] : 0;
+    scratch[sc.recv_counts + tid] = v;
+    io.recv_counts[tid] = v;
+    if (!c.expert) io.counts[tid] = v;
+  }
+  if (c.expert && tid < El) io.counts[tid] = ok ? padded : 0;
+}
+
+// ---------------------------------------------------------------- push
+// One warp per source token: load x[t] once (kUnroll 16-byte loads per lane
+// in flight), then store it into every destination's window row and, for this
+// rank, straight into the output rows. With kCast the warp quantises to FP8
+// on the way (a 128-channel block spans 128/V lanes of one load step).
+template <typename TIn, bool kCast, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) DispatchPushKernel(DispatchCfg c, DispatchWindow w,
+                                                                       EpPeers p, PushIO io) {
+  const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
+  const int* scratch = ScratchOf(p, w);
+  if (scratch[DispatchScratch::kOk] == 0) return;  // grid-uniform
+  const DispatchScratch sc(R, c.E);
+  const int lane = LaneId();
+  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
+  const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
+  const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
+  const int nvec = static_cast<int>(in_row_bytes / 16);
+  const int H128 = c.H / 128;
+  const int local_prefix = scratch[sc.prefix + r];
+  char* recv_x = static_cast<char*>(io.recv_x);
+  // Indexing the by-value EpPeers with a runtime rank goes through local
+  // memory; do it once per thread, then move pointers between lanes.
+  char* const lane_base = p.base[lane < R ? lane : 0];
+
+  for (int t = warp; t < c.T; t += nwarps) {
+    const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
+    const unsigned dest_mask = __ballot_sync(kFullMask, pos >= 0);
+    const unsigned remote_mask = dest_mask & ~(1u << r);
+    int id = -1, rv = -1;
+    float wt = 0.f;
+    if (lane < K) {
+      id = io.topk[static_cast<size_t>(t) * K + lane];
+      wt = io.topk_w[static_cast<size_t>(t) * K + lane];
+      if (c.expert) rv = rie[static_cast<size_t>(t) * K + lane];
+    }
+    const int drank = (id >= 0 && id < c.E) ? id / El : -1;
+    int local_row = -1;  // expert layout: output row of (t, lane) if its expert is here
+    if (c.expert && drank == r) local_row = scratch[sc.src_off + (id - r * El) * R + r] + rv;
+    const unsigned local_mask = __ballot_sync(kFullMask, local_row >= 0);
+    // Lane j < R holds the row this token occupies in rank j's window.
+    char* const lane_row = pos >= 0 ? lane_base + w.row(r, pos, c.T) : nullptr;
+    const int my_pos = __shfl_sync(kFullMask, pos, r);
+    const int rank_row = (!c.expert && my_pos >= 0) ? local_prefix + my_pos : -1;
+
+    // Metadata: remote rows (ids already converted for that destination).
+    for (unsigned m = remote_mask; m; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      int* meta = reinterpret_cast<int*>(ShflPtr(lane_row, j) + w.meta_off);
+      if (lane < K) {
+        const int lid = drank == j ? id - j * El : -1;
+        meta[lane] = lid;
+        reinterpret_cast<float*>(meta)[K + lane] = lid >= 0 ? wt : 0.f;
+        meta[2 * K + lane] = lid >= 0 ? rv : -1;
+      }
+      if (lane == 0) meta[3 * K] = t;
+    }
+    // Metadata: local output rows.
+    if (!c.expert) {
+      if (rank_row >= 0) {
+        if (lane < K) {
+          const int lid = drank == r ? id - r * El : -1;
+          io.recv_topk_idx[static_cast<size_t>(rank_row) * K + lane] = lid;
+          io.recv_topk_w[static_cast<size_t>(rank_row) * K + lane] = lid >= 0 ? wt : 0.f;
+        }
+        if (lane == 0) {
+          io.src_rank[rank_row] = r;
+          io.src_token[rank_row] = t;
+          io.src_k[rank_row] = -1;
+        }
+      }
+    } else if (local_row >= 0) {
+      io.recv_topk_idx[local_row] = id - r * El;
+      io.recv_topk_w[local_row] = wt;
+      io.src_rank[local_row] = r;
+      io.src_token[local_row] = t;
+      io.src_k[local_row] = lane;
+    }
+
+    // Payload.
+    const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const char*>(io.x) + t * in_row_bytes);
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * 32 + lane;
+        v[u] = idx < nvec ? LdNcNa(xrow + idx) : make_uint4(0, 0, 0, 0);
+      }
+      if constexpr (!kCast) {
+        for (unsigned m = remote_mask; m; m &= m - 1) {
+          const int j = __ffs(m) - 1;
+          uint4* dst = reinterpret_cast<uint4*>(ShflPtr(lane_row, j));
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int idx = base + u * 32 + lane;
+            if (idx < nvec) StNa(dst + idx, v[u]);
+          }
+        }
+        for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
+          const int row = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
+          uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int idx = base + u * 32 + lane;
+            if (idx < nvec) StNa(dst + idx, v[u]);
+          }
+        }
+      } else {
+        constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
+        constexpr int LPB = kFp8Block / V; // lanes per 128-channel block
+        using QT = typename std::conditional<V == 8, uint2, uint32_t>::type;
+        QT q[kUnroll];
+        float s[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          float f[V];
+          Vec16<TIn>::ToFloat(v[u], f);
+          float amax = 0.f;
+#pragma unroll
+          for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+          for (int off = LPB / 2; off >= 1; off >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+          s[u] = Fp8Scale(amax, c.ue8m0 != 0);
+          uint8_t b[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], s[u]);
+          memcpy(&q[u], b, sizeof(QT));
+        }
+        // Each lane's 16 input bytes become V output bytes at channel idx*V.
+        for (unsigned m = remote_mask; m; m &= m - 1) {
+          const int j = __ffs(m) - 1;
+          char* row = ShflPtr(lane_row, j);
+          float* srow = reinterpret_cast<float*>(row + w.scales_off);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int idx = base + u * 32 + lane;
+            if (idx < nvec) {
+              reinterpret_cast<QT*>(row)[idx] = q[u];
+              if (lane % LPB == 0) srow[idx / LPB] = s[u];
+            }
+          }
+        }
+        for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
+          const int orow = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
+          char* row = recv_x + static_cast<size_t>(orow) * w.payload_bytes;
+          float* srow = io.recv_scales + static_cast<size_t>(orow) * H128;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int idx = base + u * 32 + lane;
+            if (idx < nvec) {
+              reinterpret_cast<QT*>(row)[idx] = q[u];
+              if (lane % LPB == 0) srow[idx / LPB] = s[u];
+            }
+          }
+        }
+      }
+    }
+    // FP8 input: the scales travel with the row.
+    if (!kCast && c.has_scales) {
+      const float* xs = io.x_scales + static_cast<size_t>(t) * H128;
+      for (unsigned m = remote_mask; m; m &= m - 1) {
+        const int j = __ffs(m) - 1;
+        float* srow = reinterpret_cast<float*>(ShflPtr(lane_row, j) + w.scales_off);
+        for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
+      }
+      for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
+        const int orow = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
+        float* srow = io.recv_scales + static_cast<size_t>(orow) * H128;
+        for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- ok + barrier
+__global__ void DispatchOkBarrierKernel(DispatchWindow w, EpPeers p) {
+  if (threadIdx.x != 0) return;
+  const bool ok = ScratchOf(p, w)[DispatchScratch::kOk] != 0 && !has_error(p);
+  PublishOkAndBarrier(p, w.ok_off, ok, Op::kDispatch);
+}
+
+// ---------------------------------------------------------------- receive
+struct RowWriter {
+  const DispatchCfg& c;
+  const DispatchWindow& w;
+  const PushIO& io;
+  int lane;
+
+  __device__ void Zero(int row) const {
+    const int nv = static_cast<int>(w.payload_bytes / 16);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(io.recv_x) + static_cast<size_t>(row) * w.payload_bytes);
+    for (int i = lane; i < nv; i += 32) StNa(dst + i, make_uint4(0, 0, 0, 0));
+    if (c.has_scales) {
+      const int H128 = c.H / 128;
+      for (int i = lane; i < H128; i += 32) io.recv_scales[static_cast<size_t>(row) * H128 + i] = 0.f;
+    }
+    if (!c.expert) {
+      if (lane < c.K) {
+        io.recv_topk_idx[static_cast<size_t>(row) * c.K + lane] = -1;
+        io.recv_topk_w[static_cast<size_t>(row) * c.K + lane] = 0.f;
+      }
+    } else if (lane == 0) {
+      io.recv_topk_idx[row] = -1;
+      io.recv_topk_w[row] = 0.f;
+    }
+    if (lane == 0) {
+      io.src_rank[row] = -1;
+      io.src_token[row] = -1;
+      io.src_k[row] = -1;
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCfg c, DispatchWindow w,
+                                                                       EpPeers p, PushIO io) {
+  __shared__ int s_ok;
+  __shared__ int s_prefix[kMaxRanks + 1];
+  const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
+  const DispatchScratch sc(R, c.E);
+  const int* scratch = ScratchOf(p, w);
+  if (threadIdx.x == 0) {
+    int ok = scratch[DispatchScratch::kOk] != 0 && !has_error(p);
+    const int bad = FirstPeerNotOk(p, w.ok_off);
+    if (ok && bad >= 0) {
+      ok = 0;
+      report_error(p, Op::kDispatch, Cause::kPeerTimeout, 0x80u | static_cast<uint32_t>(bad));
+    }
+    s_ok = ok;
+    for (int s = 0; s <= R; ++s) s_prefix[s] = scratch[sc.prefix + s];
+  }
+  __syncthreads();
+  const int lane = LaneId();
+  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
+  const RowWriter out{c, w, io, lane};
+  char* my = p.base[r];
+  char* recv_x = static_cast<char*>(io.recv_x);
+  const int nvec = static_cast<int>(w.payload_bytes / 16);
+  const int H128 = c.H / 128;
+
+  if (!s_ok) {
+    for (int row = warp; row < c.C; row += nwarps) out.Zero(row);
+    if (blockIdx.x == 0) {
+      if (threadIdx.x < R) io.recv_counts[threadIdx.x] = 0;
+      const int n = c.expert ? El : R;
+      for (int i = threadIdx.x; i < n; i += blockDim.x) io.counts[i] = 0;
+    }
+    return;
+  }
+
+  const int rows_total = s_prefix[R];  // token rows in our window (all sources, incl. ourselves)
+  if (!c.expert) {
+    for (int row = warp; row < c.C; row += nwarps) {
+      if (row >= rows_total) {
+        out.Zero(row);
+        continue;
+      }
+      int s = 0;
+      while (s + 1 < R && row >= s_prefix[s + 1]) ++s;
+      if (s == r) continue;  // written by the push kernel
+      const char* src = my + w.row(s, row - s_prefix[s], c.T);
+      const uint4* sv = reinterpret_cast<const uint4*>(src);
+      uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
+      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          if (idx < nvec) v[u] = LdV4(sv + idx);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          if (idx < nvec) StNa(dst + idx, v[u]);
+        }
+      }
+      if (c.has_scales) {
+        const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
+        for (int i = lane; i < H128; i += 32) io.recv_scales[static_cast<size_t>(row) * H128 + i] = ss[i];
+      }
+      const int* meta = reinterpret_cast<const int*>(src + w.meta_off);
+      if (lane < K) {
+        io.recv_topk_idx[static_cast<size_t>(row) * K + lane] = meta[lane];
+        io.recv_topk_w[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const float*>(meta)[K + lane];
+      }
+      if (lane == 0) {
+        io.src_rank[row] = s;
+        io.src_token[row] = meta[3 * K];
+        io.src_k[row] = -1;
+      }
+    }
+    return;
+  }
+
+  // Expert layout: every remote token row fans out to one output row per
+  // (local expert, k) it chose; the row index comes from the sender's rie.
+  for (int n = warp; n < rows_total; n += nwarps) {
+    int s = 0;
+    while (s + 1 < R && n >= s_prefix[s + 1]) ++s;
+    if (s == r) continue;
+    const char* src = my + w.row(s, n - s_prefix[s], c.T);
+    const int* meta = reinterpret_cast<const int*>(src + w.meta_off);
+    int lid = -1, orow = -1;
+    if (lane < K) {
+      lid = meta[lane];
+      if (lid >= 0 && lid < El) orow = scratch[sc.src_off + lid * R + s] + meta[2 * K + lane];
+    }
+    const unsigned omask = __ballot_sync(kFullMask, orow >= 0);
+    const int tok = meta[3 * K];
+    if (orow >= 0) {
+      io.recv_topk_idx[orow] = lid;
+      io.recv_topk_w[orow] = reinterpret_cast<const float*>(meta)[K + lane];
+      io.src_rank[orow] = s;
+      io.src_token[orow] = tok;
+      io.src_k[orow] = lane;
+    }
+    const uint4* sv = reinterpret_cast<const uint4*>(src);
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * 32 + lane;
+        if (idx < nvec) v[u] = LdV4(sv + idx);
+      }
+      for (unsigned m = omask; m; m &= m - 1) {
+        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+        uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          if (idx < nvec) StNa(dst + idx, v[u]);
+        }
+      }
+    }
+    if (c.has_scales) {
+      const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
+      for (unsigned m = omask; m; m &= m - 1) {
+        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+        float* srow = io.recv_scales + static_cast<size_t>(o) * H128;
+        for (int i = lane; i < H128; i += 32) srow[i] = ss[i];
+      }
+    }
+  }
+  // Padding rows inside each group, then the tail after the last group.
+  for (int e = warp; e < El; e += nwarps) {
+    const int end = scratch[sc.group_off + e + 1];
+    for (int row = scratch[sc.group_off + e] + scratch[sc.group_size + e]; row < end; ++row) out.Zero(row);
+  }
+  for (int row = scratch[sc.group_off + El] + warp; row < c.C; row += nwarps) out.Zero(row);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- host
+
+int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
+  int cap = requested;
+  if (cap <= 0) {
+    if (const char* env = std::getenv("JAX_EP_NUM_SMS")) cap = std::atoi(env);
+  }
+  if (cap <= 0) {
+    // Little's law: a link of B bytes/s with latency L needs B*L bytes in
+    // flight. NVLink on H200 ~450 GB/s per direction, ~2 µs from load issue
+    // to remote store completion -> ~0.9 MB. One CTA of 32 warps with
+    // kUnroll 16-byte loads per lane keeps 64 KiB in flight -> ~14 CTAs for
+    // the link. The same kernels also copy the local 1/R share of the rows
+    // through HBM, so scale by R/(R-1); cap at 24 SMs (DESIGN §6 budget,
+    // DeepEP's default) so the op leaves the rest of the GPU to compute.
+    const double bytes_in_flight = 450e9 * 2e-6;
+    const double per_cta = warps_per_block * 32.0 * kUnroll * 16.0;
+    double ctas = std::ceil(bytes_in_flight / per_cta);
+    if (num_ranks > 1) ctas = std::ceil(ctas * num_ranks / (num_ranks - 1.0));
+    cap = static_cast<int>(std::min(ctas, 24.0));
+  }
+  const int needed = (work_items + warps_per_block - 1) / warps_per_block;
+  return std::max(1, std::min(cap, needed));
+}
+
+size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales) {
+  return DispatchWindow(R, T, H, K, E, EpDtypeBytes(payload), fp8_scales).end;
+}
+
+std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p) {
+  const int R = p.nranks;
+  auto s = [](long long v) { return std::to_string(v); };
+  if (R < 1 || R > kMaxRanks) return "number of ranks " + s(R) + " outside [1, " + s(kMaxRanks) + "]";
+  if (a.num_tokens < 0) return "num_tokens must be >= 0";
+  if (a.topk < 1 || a.topk > kMaxTopk) return "topk " + s(a.topk) + " outside [1, 32]";
+  if (a.num_experts < 1 || a.num_experts % R) return "num_experts " + s(a.num_experts) + " must be a positive multiple of " + s(R);
+  if (a.num_experts / R > kMaxLocalExperts) return "local experts " + s(a.num_experts / R) + " > 1024";
+  if (a.capacity < 1) return "capacity must be >= 1";
+  if (a.expert_alignment < 1) return "expert_alignment must be >= 1";
+  if (a.hidden < 1) return "hidden must be >= 1";
+  const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
+  if (a.cast_fp8 && fp8_in) return "x is already FP8";
+  if ((a.cast_fp8 || fp8_in) && a.hidden % 128) return "hidden " + s(a.hidden) + " must be a multiple of 128 for FP8";
+  const int in_bytes = EpDtypeBytes(a.x_dtype);
+  if ((static_cast<long long>(a.hidden) * in_bytes) % 16)
+    return "row bytes (hidden * " + s(in_bytes) + " = " + s(static_cast<long long>(a.hidden) * in_bytes) + ") must be a multiple of 16";
+  if (static_cast<long long>(a.num_tokens) * a.topk >= (1ll << 31) || static_cast<long long>(a.capacity) >= (1ll << 31))
+    return "too many tokens";
+  const bool fp8 = a.cast_fp8 || fp8_in;
+  const size_t need = DispatchWindowBytes(R, a.num_tokens, a.hidden, a.topk, a.num_experts,
+                                          fp8 ? EpDtype::kFp8E4m3 : a.x_dtype, fp8);
+  if (need > p.window_bytes)
+    return "the communicator's window (" + s(p.window_bytes) + " bytes) is too small for this dispatch: needs " +
+           s(need) + " bytes (create the Communicator with num_bytes >= this)";
+  return "";
+}
+
+cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream) {
+  const int R = p.nranks;
+  const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
+  const bool fp8 = a.cast_fp8 || fp8_in;
+  DispatchCfg c{};
+  c.T = a.num_tokens;
+  c.H = a.hidden;
+  c.K = a.topk;
+  c.E = a.num_experts;
+  c.El = a.num_experts / R;
+  c.C = a.capacity;
+  c.align = a.expert_alignment;
+  c.expert = a.layout == EpLayout::kExpert;
+  c.in_bytes = EpDtypeBytes(a.x_dtype);
+  c.has_scales = fp8;
+  c.ue8m0 = a.ue8m0;
+  const DispatchWindow w(R, c.T, c.H, c.K, c.E, fp8 ? 1 : c.in_bytes, fp8);
+  PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
+            a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
+            a.counts, a.recv_counts};
+
+  DispatchPrepKernel<<<R + (c.expert ? c.E : 0), kPrepThreads, 0, stream>>>(c, w, p, a.topk_idx, a.pos_in_rank);
+  const int nslots = c.expert ? w.counts_stride : 2;
+  DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
+
+  const int push_blocks = ChooseNumBlocks(a.num_sms, c.T, kDataThreads / 32, R);
+  // The casting variants need ~80 registers: 512 threads per CTA keeps them
+  // out of local memory (same CTA count, half the loads in flight).
+  const int cast_blocks = ChooseNumBlocks(a.num_sms, c.T, kCastThreads / 32, R);
+  if (!a.cast_fp8) {
+    DispatchPushKernel<uint8_t, false, kDataThreads><<<push_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
+  } else if (a.x_dtype == EpDtype::kBF16) {
+    DispatchPushKernel<__nv_bfloat16, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
+  } else if (a.x_dtype == EpDtype::kF16) {
+    DispatchPushKernel<__half, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
+  } else {
+    DispatchPushKernel<float, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
+  }
+  DispatchOkBarrierKernel<<<1, 32, 0, stream>>>(w, p);
+  const int recv_blocks = ChooseNumBlocks(a.num_sms, std::max(c.C, R * c.T), kDataThreads / 32, R);
+  DispatchRecvKernel<<<recv_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,98 @@
+// Device helpers shared by the normal dispatch / combine kernels: 16-byte
+// global loads/stores with cache hints, tagged control words, warp helpers,
+// and the tiny "publish ok + rank barrier" kernel both ops end their push
+// phase with.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+
+namespace jax_ep {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Read-only input (x, y): bypass L1, it is streamed once.
+__device__ __forceinline__ uint4 LdNcNa(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+// Data written by a peer before a barrier that an earlier kernel passed:
+// an ordinary (coherent) load.
+__device__ __forceinline__ uint4 LdV4(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+// Store that does not allocate in L1 (local output or a peer's window).
+__device__ __forceinline__ void StNa(uint4* ptr, const uint4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void StU64Volatile(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t LdU64Volatile(const uint64_t* ptr) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t MakeTagged(uint64_t tag, uint32_t value) {
+  return (tag << 32) | value;
+}
+__device__ __forceinline__ bool TagMatches(uint64_t word, uint64_t tag) {
+  return (word >> 32) == (tag & 0xffffffffull);
+}
+
+__device__ __forceinline__ int LaneId() { return threadIdx.x & 31; }
+
+// Pointer held by lane `src` (all lanes participate).
+template <typename P>
+__device__ __forceinline__ P* ShflPtr(P* ptr, int src) {
+  return reinterpret_cast<P*>(
+      __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(ptr), src));
+}
+
+// Index of the n-th set bit of `mask` (n < popc(mask)).
+__device__ __forceinline__ int NthSetBit(unsigned mask, int n) {
+  for (int i = 0; i < n; ++i) mask &= mask - 1;
+  return __ffs(mask) - 1;
+}
+
+// Each rank writes (epoch-tag, ok) into every rank's ok[my rank], then a rank
+// barrier. Afterwards ok[s] in my window tells whether source s completed its
+// pushes of this op. One thread.
+__device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool ok, Op op) {
+  const uint64_t tag = *p.epoch + 1;  // the epoch rank_barrier is about to use
+  for (int j = 0; j < p.nranks; ++j) {
+    uint64_t* slot = reinterpret_cast<uint64_t*>(p.base[j] + ok_off) + p.rank;
+    StU64Volatile(slot, MakeTagged(tag, ok ? 1u : 0u));
+  }
+  __threadfence_system();
+  rank_barrier(p, op);
+}
+
+// After PublishOkAndBarrier: did every source publish ok for this epoch?
+// Returns -1 when all did, else the first failing source. One thread.
+__device__ inline int FirstPeerNotOk(const EpPeers& p, size_t ok_off) {
+  const uint64_t tag = *p.epoch;
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(p.base[p.rank] + ok_off);
+  for (int s = 0; s < p.nranks; ++s) {
+    const uint64_t w = LdU64Volatile(slots + s);
+    if (!TagMatches(w, tag) || (w & 0xffffffffull) != 1ull) return s;
+  }
+  return -1;
+}
+
+}  // namespace jax_ep

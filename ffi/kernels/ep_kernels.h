@@ -1,0 +1,96 @@
+// Host-side launchers of the normal (high-throughput) dispatch and combine.
+// Semantics: DESIGN §2 and jax_ep/reference.py (bitwise for dispatch, same
+// f32 order for combine). Window layout: window_layout.h.
+//
+// Both ops are a short sequence of kernels on one stream (a kernel boundary
+// is the grid barrier; a few µs each, no co-residency assumptions):
+//   dispatch: prep (pos_in_rank, per-expert ranks)  -> control (start barrier,
+//             counts exchange, barrier, offsets, capacity) -> push (rows into
+//             peers' windows, local rows straight to the outputs) -> publish
+//             ok + barrier -> receive (window rows to outputs, padding).
+//   combine:  start barrier -> push (rows back to their source's window) ->
+//             publish ok + barrier -> reduce (fixed-order f32 sum per token).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+
+namespace jax_ep {
+
+enum class EpLayout : int { kRank = 0, kExpert = 1 };
+enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
+
+int EpDtypeBytes(EpDtype d);
+
+struct DispatchArgs {
+  // Inputs (this rank's tokens).
+  const void* x = nullptr;             // [T, H] of x_dtype
+  const float* x_scales = nullptr;     // [T, H/128] when x_dtype is FP8, else null
+  const int32_t* topk_idx = nullptr;   // [T, K]
+  const float* topk_weights = nullptr; // [T, K]
+  EpDtype x_dtype = EpDtype::kBF16;
+  bool cast_fp8 = false;               // quantise x (bf16/f16/f32) to e4m3 in the kernel
+  bool ue8m0 = false;                  // power-of-two scales (cast_fp8 only)
+  int num_tokens = 0;                  // T (may be 0)
+  int hidden = 0;                      // H
+  int topk = 0;                        // K (1..32)
+  int num_experts = 0;                 // E (E % R == 0, E/R <= 1024)
+  int capacity = 0;                    // C >= 1
+  int expert_alignment = 1;
+  EpLayout layout = EpLayout::kRank;
+  int num_sms = 0;                     // CTAs of the data kernels; 0 = model / env
+  // Outputs.
+  void* recv_x = nullptr;              // [C, H] (e4m3 when FP8)
+  float* recv_scales = nullptr;        // [C, H/128] when FP8 (input or cast), else null
+  int32_t* recv_topk_idx = nullptr;    // rank: [C, K]; expert: [C]
+  float* recv_topk_weights = nullptr;  // rank: [C, K]; expert: [C]
+  int32_t* counts = nullptr;           // rank: [R]; expert: group_sizes [E_l]
+  int32_t* pos_in_rank = nullptr;      // [T, R]
+  int32_t* recv_src_rank = nullptr;    // [C]
+  int32_t* recv_src_token = nullptr;   // [C]
+  int32_t* recv_src_k = nullptr;       // [C]
+  int32_t* recv_counts = nullptr;      // [R]
+};
+
+struct CombineArgs {
+  const void* y = nullptr;                // [C, H] of y_dtype (bf16/f16/f32)
+  const float* weights = nullptr;         // [C] or null (= plain sum)
+  const int32_t* topk_idx = nullptr;      // [T, K] handle.topk_idx
+  const int32_t* pos_in_rank = nullptr;   // [T, R]
+  const int32_t* recv_src_rank = nullptr; // [C]
+  const int32_t* recv_src_token = nullptr;// [C]
+  const int32_t* recv_src_k = nullptr;    // [C]
+  const int32_t* recv_counts = nullptr;   // [R]
+  EpDtype y_dtype = EpDtype::kBF16;
+  int num_tokens = 0;                     // T
+  int hidden = 0;                         // H
+  int topk = 0;                           // K
+  int num_experts = 0;                    // E
+  int capacity = 0;                       // C
+  EpLayout layout = EpLayout::kRank;
+  int num_sms = 0;
+  void* out = nullptr;                    // [T, H] of y_dtype
+};
+
+// "" when the launch can proceed, else a message naming the argument.
+std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p);
+std::string ValidateCombine(const CombineArgs& a, const EpPeers& p);
+
+// Enqueues the whole op on `stream`. Device-side errors go to the status word.
+cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream);
+cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream);
+
+// Bytes (from the window base, header included) that one config needs; the
+// communicator's size hint should be at least this (window_layout.h).
+size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales);
+size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout);
+
+// CTAs for the data-moving kernels, from a bandwidth model (see dispatch.cu);
+// `requested` > 0 or env JAX_EP_NUM_SMS override it.
+int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks);
+
+}  // namespace jax_ep

@@ -1,0 +1,73 @@
+// Per-token, per-128-channel FP8 (e4m3) quantisation, bit-for-bit the steps of
+// jax_ep/fp8.py: amax = max|x| (f32); s = max(amax, 1e-4) / 448 (IEEE
+// division); UE8M0: s rounded up to a power of two from its bits;
+// q = e4m3_rn(clamp(x / s, -448, 448)). No fast-math: __fdiv_rn everywhere.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+namespace jax_ep {
+
+constexpr int kFp8Block = 128;
+constexpr float kE4m3Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+__device__ __forceinline__ float Ue8m0RoundUp(float s) {
+  uint32_t bits = __float_as_uint(s);
+  uint32_t exp = bits & 0x7F800000u;
+  if (bits & 0x007FFFFFu) exp += 0x00800000u;
+  return __uint_as_float(exp);
+}
+
+__device__ __forceinline__ float Fp8Scale(float amax, bool ue8m0) {
+  float s = __fdiv_rn(fmaxf(amax, kAmaxFloor), kE4m3Max);
+  return ue8m0 ? Ue8m0RoundUp(s) : s;
+}
+
+__device__ __forceinline__ uint8_t Fp8Quantize(float x, float s) {
+  float v = __fdiv_rn(x, s);
+  v = fminf(fmaxf(v, -kE4m3Max), kE4m3Max);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// A 16-byte vector of input elements as floats.
+template <typename T> struct Vec16;
+template <> struct Vec16<__nv_bfloat16> {
+  static constexpr int N = 8;
+  __device__ __forceinline__ static void ToFloat(const uint4& v, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 p = __bfloat1622float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+};
+template <> struct Vec16<__half> {
+  static constexpr int N = 8;
+  __device__ __forceinline__ static void ToFloat(const uint4& v, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 p = __half22float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+};
+template <> struct Vec16<float> {
+  static constexpr int N = 4;
+  __device__ __forceinline__ static void ToFloat(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+};
+
+}  // namespace jax_ep

@@ -1,0 +1,139 @@
+// Where normal dispatch / combine put their data inside the symmetric window.
+//
+// Every rank's window is [runtime header (kWindowHeaderBytes)] [op area]. The
+// op area is shared by all ops; that is safe because every dispatch / combine
+// starts with a rank barrier before its first store into a peer's window, so
+// a peer can never still be reading the previous op's data there.
+//
+// Dispatch op area (offsets from the window base, all 16-byte aligned):
+//   ok      u64[R]            tagged "my pushes are complete" word per source
+//   counts  u64[R][2 + E_l]   per source: [0] token rows it sends here, [1]
+//                             (t, k) entries, [2 + e] entries for local
+//                             expert e; tagged with the barrier epoch
+//                             (tag << 32 | value)
+//   scratch i32[...]          this rank's own bookkeeping (never written by a
+//                             peer): DispatchScratch below
+//   rie     i32[T][K]         rank of (t, k) among this rank's entries that
+//                             chose the same expert (expert layout)
+//   recv    rows[R][T]        row [s][p] = the p-th token of source s that
+//                             comes here; a source writes its own rows at
+//                             known offsets, so it needs nothing from us.
+// A dispatch row: payload (H * elem bytes, padded to 16), FP8 scales
+// (H/128 f32, padded to 16, only for FP8 payloads), then meta: ids[K] (local
+// expert id or -1, already converted by the sender for this destination),
+// weights[K] f32 (0 where id -1), rie[K] i32, src token i32, padded to 16.
+//
+// Combine op area:
+//   ok      u64[R]
+//   recv    rows[R][T] (rank layout, slot [j][pos_in_rank[t, j]]) or
+//           rows[T][K] (expert layout, slot [t][k])
+// A combine row: payload (H * y elem bytes, padded to 16), weight f32 padded
+// to 16.
+//
+// Bytes the window needs (see WindowBytesNeeded; mirrored in Python by
+// jax_ep._ffi_dispatch.window_bytes_needed):
+//   header 4096 + max(dispatch_op_bytes, combine_op_bytes)
+// with, for the normal shape (R=2, T=4096, H=7168, K=8, E=256, bf16):
+//   dispatch = 2*4096*(14336 + 112) + small ≈ 118.5 MB,
+//   combine expert layout = 4096*8*(14336 + 16) ≈ 470 MB (rank layout 118 MB).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace jax_ep {
+
+#define JAX_EP_HD __host__ __device__ __forceinline__
+
+JAX_EP_HD size_t Align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15); }
+
+// Layout of the i32 scratch a rank keeps for itself during a dispatch.
+struct DispatchScratch {
+  // Fixed slots.
+  static constexpr int kOk = 0;          // 1: this op may write outputs
+  static constexpr int kTotal = 1;       // rows written (rank: sum counts; expert: padded sum)
+  static constexpr int kBadIds = 2;      // set by the prep kernel
+  static constexpr int kFixed = 16;
+  // Arrays (i32 offsets into scratch).
+  int tokens_per_rank;     // [R]   sender side: tokens this rank sends to j
+  int entries_per_expert;  // [E]   sender side: (t,k) entries for expert e
+  int prefix;              // [R+1] receiver: rank layout row offset per source
+  int recv_counts;         // [R]   receiver: rows / entries from each source
+  int group_off;           // [E_l+1] receiver: padded group starts
+  int group_size;          // [E_l] receiver: unpadded group sizes
+  int src_off;             // [E_l][R] receiver: first row of (expert, source)
+  int count;               // total i32 elements
+
+  JAX_EP_HD DispatchScratch(int R, int E) {
+    const int El = E / R;
+    int o = kFixed;
+    tokens_per_rank = o; o += R;
+    entries_per_expert = o; o += E;
+    prefix = o; o += R + 1;
+    recv_counts = o; o += R;
+    group_off = o; o += El + 1;
+    group_size = o; o += El;
+    src_off = o; o += El * R;
+    count = o;
+  }
+};
+
+struct DispatchWindow {
+  size_t ok_off, counts_off, scratch_off, rie_off, recv_off;
+  size_t payload_bytes;  // H * elem
+  size_t scales_off;     // inside a row (FP8 only; == meta_off otherwise)
+  size_t meta_off;       // inside a row
+  size_t row_bytes;
+  size_t end;            // bytes from the window base to the end of the area
+  int counts_stride;     // 2 + E_l
+
+  JAX_EP_HD DispatchWindow(int R, int T, int H, int K, int E, int elem_bytes, bool fp8_scales) {
+    const int El = E / R;
+    counts_stride = 2 + El;
+    ok_off = kWindowHeaderBytes;
+    counts_off = Align16(ok_off + 8 * static_cast<size_t>(R));
+    scratch_off = Align16(counts_off + 8 * static_cast<size_t>(R) * counts_stride);
+    rie_off = Align16(scratch_off + 4 * static_cast<size_t>(DispatchScratch(R, E).count));
+    recv_off = Align16(rie_off + 4 * static_cast<size_t>(T) * K);
+    payload_bytes = static_cast<size_t>(H) * elem_bytes;
+    scales_off = Align16(payload_bytes);
+    meta_off = fp8_scales ? Align16(scales_off + 4 * static_cast<size_t>(H / 128)) : scales_off;
+    row_bytes = Align16(meta_off + 4 * (3 * static_cast<size_t>(K) + 1));
+    end = recv_off + static_cast<size_t>(R) * T * row_bytes;
+  }
+  JAX_EP_HD size_t row(int src, int slot, int T) const {
+    return recv_off + (static_cast<size_t>(src) * T + slot) * row_bytes;
+  }
+};
+
+struct CombineWindow {
+  size_t ok_off, recv_off;
+  size_t payload_bytes, weight_off, row_bytes, end;
+  int slots_per_block;  // rank layout: T (slot = j*T + pos); expert: K (slot = t*K + k)
+
+  JAX_EP_HD CombineWindow(int R, int T, int H, int K, int elem_bytes, bool expert_layout) {
+    ok_off = kWindowHeaderBytes;
+    recv_off = Align16(ok_off + 8 * static_cast<size_t>(R));
+    payload_bytes = static_cast<size_t>(H) * elem_bytes;
+    weight_off = Align16(payload_bytes);
+    row_bytes = weight_off + 16;
+    const size_t slots = expert_layout ? static_cast<size_t>(T) * K : static_cast<size_t>(R) * T;
+    slots_per_block = expert_layout ? K : T;
+    end = recv_off + slots * row_bytes;
+  }
+};
+
+// Window bytes for dispatch (both layouts, payload of `x_elem_bytes`, FP8
+// scales if `fp8`; an FP8 payload is 1 byte per channel) and combine (both layouts, `y_elem_bytes`) of one config.
+inline size_t WindowBytesNeeded(int R, int T, int H, int K, int E, int x_elem_bytes, bool fp8,
+                                int y_elem_bytes) {
+  const size_t d = DispatchWindow(R, T, H, K, E, fp8 ? 1 : x_elem_bytes, fp8).end;
+  const size_t c = CombineWindow(R, T, H, K, y_elem_bytes, /*expert_layout=*/true).end;
+  const size_t c2 = CombineWindow(R, T, H, K, y_elem_bytes, /*expert_layout=*/false).end;
+  size_t m = d > c ? d : c;
+  return m > c2 ? m : c2;
+}
+
+}  // namespace jax_ep

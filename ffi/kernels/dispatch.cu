@@ -385,9 +385,10 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchPushKernel(DispatchCfg c,
           for (int off = LPB / 2; off >= 1; off >>= 1)
             amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
           s[u] = Fp8Scale(amax, c.ue8m0 != 0);
+          const float inv = __fdiv_rn(1.0f, s[u]);  // as jax_ep/fp8.py: q = x * (1 / s)
           uint8_t b[V];
 #pragma unroll
-          for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], s[u]);
+          for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], inv);
           memcpy(&q[u], b, sizeof(QT));
         }
         // Each lane's 16 input bytes become V output bytes at channel idx*V.

@@ -13,7 +13,8 @@ from typing import Any
 _lock = threading.Lock()
 _registered = False
 
-TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all")
+TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch",
+           "jax_ep_combine")
 
 
 @functools.lru_cache(maxsize=None)

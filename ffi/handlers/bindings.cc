@@ -20,6 +20,8 @@ namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchLayoutExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpProbeAllToAllExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineExecute);
 
 namespace jax_ep {
 
@@ -207,6 +209,8 @@ void RegisterCudaBindings(nb::module_& m) {
     nb::dict d;
     d["jax_ep_dispatch_layout"] = Bundle(JaxEpDispatchLayoutExecute);
     d["jax_ep_probe_all_to_all"] = Bundle(JaxEpProbeAllToAllExecute);
+    d["jax_ep_dispatch"] = Bundle(JaxEpDispatchExecute);
+    d["jax_ep_combine"] = Bundle(JaxEpCombineExecute);
     return d;
   }, "FFI targets: name -> {'instantiate': capsule, 'execute': capsule}.");
 

@@ -1,0 +1,247 @@
+"""Normal dispatch/combine CUDA kernels against the reference, on 2 GPUs.
+
+Dispatch is pure data movement: every output (payload, ids, weights, counts
+and the handle) must be bitwise equal to the reference's. Combine must equal
+the reference's in its fixed float32 order, i.e. bitwise too.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_ep
+from jax_ep import _native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.cuda_available(), reason="needs jax_ep's CUDA build and GPUs"),
+]
+
+if _native.cuda_available():
+  import gpu_helpers as h
+
+
+@pytest.fixture(scope="module")
+def comm():
+  devs = jax.devices("cuda")
+  if len(devs) < 2:
+    pytest.skip("needs 2 GPUs")
+  mesh = jax.sharding.Mesh(np.array(devs[:2]), (h.AXIS,))
+  c = jax_ep.Communicator.create(mesh, h.AXIS, 1 << 30)
+  yield c
+  c.close()
+
+
+def _bits(a) -> np.ndarray:
+  a = np.asarray(a)
+  if a.dtype.itemsize == 1:
+    return a.view(np.uint8)
+  if a.dtype.itemsize == 2:
+    return a.view(np.uint16)
+  if a.dtype.itemsize == 4:
+    return a.view(np.uint32)
+  return a
+
+
+def _inputs(rng, R, T, H, K, E, dtype, mode):
+  idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
+  if mode == "skewed":   # every token to rank 0's first expert
+    idx[...] = -1
+    if T:
+      idx[..., 0] = 0
+  elif mode == "empty_rank":
+    idx[R - 1] = -1
+  w = rng.uniform(0.25, 1.5, size=(R, T, K)).astype(np.float32)
+  x = rng.standard_normal((R, T, H)).astype(np.float32) * 3
+  if dtype == "fp8_pair":
+    q, s = jax.jit(jax.vmap(jax_ep.quantize))(jnp.asarray(x))
+    return (np.asarray(q), np.asarray(s)), idx, w
+  return x.astype(jnp.dtype(dtype)), idx, w
+
+
+def _both(comm, E, layout, fp8, fn_rows, x, idx, w, **kw):
+  """Runs dispatch + combine with backend cuda and reference in one program."""
+  def per_rank(x, idx, w):
+    outs = []
+    for backend in ("cuda", "reference"):
+      o = jax_ep.dispatch(x, idx, w, num_experts=E, layout=layout, fp8=fp8, backend=backend, **kw)
+      y = fn_rows(o.recv_x)
+      cw = o.recv_topk_weights if layout == "expert" else None
+      out = jax_ep.combine(y, o.handle, cw, backend=backend)
+      outs.append((o, out))
+    return outs
+
+  f = h.per_rank_jit(comm.mesh, per_rank)
+  args = jax.tree.map(lambda a: h.put(comm.mesh, a), (x, idx, w))
+  res = jax.block_until_ready(f(*args))
+  comm.check()
+  return res
+
+
+def _rows_fn(recv_x):
+  if isinstance(recv_x, tuple):
+    q, s = recv_x
+    return jax_ep.dequantize(q, s, jnp.bfloat16) * 2
+  return (recv_x.astype(jnp.float32) * 1.5 - 0.25).astype(recv_x.dtype)
+
+
+def _assert_same(a, b, what):
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb, what
+  for i, (u, v) in enumerate(zip(la, lb)):
+    u, v = np.asarray(u), np.asarray(v)
+    assert u.shape == v.shape and u.dtype == v.dtype, (what, i, u.shape, v.shape, u.dtype, v.dtype)
+    np.testing.assert_array_equal(_bits(u), _bits(v), err_msg=f"{what}: leaf {i}")
+
+
+CASES = [
+    # T, H, K, E, dtype, mode
+    (0, 128, 1, 8, "bfloat16", "random"),
+    (1, 128, 1, 8, "bfloat16", "random"),
+    (1, 2048, 8, 256, "float32", "random"),
+    (127, 2048, 6, 64, "bfloat16", "random"),
+    (127, 7168, 8, 256, "float16", "random"),
+    (127, 128, 6, 8, "bfloat16", "skewed"),
+    (127, 2048, 8, 64, "bfloat16", "empty_rank"),
+    (4096, 7168, 8, 256, "bfloat16", "random"),
+    (4096, 2048, 1, 8, "float32", "skewed"),
+    (127, 2048, 8, 256, "fp8_pair", "random"),
+    (4096, 7168, 8, 256, "fp8_pair", "random"),
+]
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("T,H,K,E,dtype,mode", CASES)
+def test_dispatch_and_combine_bitwise_equal_reference(comm, layout, T, H, K, E, dtype, mode):
+  rng = np.random.default_rng(hash((T, H, K, E, dtype, mode, layout)) % 2**32)
+  x, idx, w = _inputs(rng, comm.num_ranks, T, H, K, E, dtype, mode)
+  (oc, cc), (orf, cr) = _both(comm, E, layout, False, _rows_fn, x, idx, w)
+  _assert_same(oc.recv_x, orf.recv_x, "recv_x")
+  _assert_same(oc.recv_topk_idx, orf.recv_topk_idx, "recv_topk_idx")
+  _assert_same(oc.recv_topk_weights, orf.recv_topk_weights, "recv_topk_weights")
+  _assert_same(oc.counts, orf.counts, "counts")
+  _assert_same(oc.handle, orf.handle, "handle")
+  _assert_same(cc, cr, "combine")
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("T,H,K,E", [(127, 2048, 6, 64), (4096, 7168, 8, 256)])
+def test_in_kernel_fp8_cast_bitwise_equal_reference(comm, layout, ue8m0, T, H, K, E):
+  rng = np.random.default_rng(7 + T + ue8m0)
+  x, idx, w = _inputs(rng, comm.num_ranks, T, H, K, E, "bfloat16", "random")
+  (oc, cc), (orf, cr) = _both(comm, E, layout, True, _rows_fn, x, idx, w, ue8m0=ue8m0)
+  _assert_same(oc.recv_x, orf.recv_x, "recv_x (q, scales)")
+  _assert_same(oc.handle, orf.handle, "handle")
+  _assert_same(cc, cr, "combine")
+
+
+def test_expert_alignment_and_small_capacity_bitwise(comm):
+  rng = np.random.default_rng(3)
+  R, T, H, K, E = comm.num_ranks, 64, 256, 4, 16
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+  need = max(int(np.sum((idx // (E // R) == r) & (idx >= 0))) for r in range(R))
+  cap = need + 8 * (E // R)
+  (oc, cc), (orf, cr) = _both(comm, E, "expert", False, _rows_fn, x, idx, w,
+                              expert_alignment=8, capacity=cap)
+  _assert_same((oc.recv_x, oc.recv_topk_idx, oc.counts, oc.handle),
+               (orf.recv_x, orf.recv_topk_idx, orf.counts, orf.handle), "aligned expert layout")
+  _assert_same(cc, cr, "combine")
+
+
+def test_cached_dispatch_with_handle_equals_fresh_dispatch(comm):
+  rng = np.random.default_rng(5)
+  R, T, H, K, E = comm.num_ranks, 256, 1024, 8, 64
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+  x2 = (x * 0.5 + 1).astype(x.dtype)
+
+  def per_rank(x, x2, idx, w):
+    o = jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")
+    o2 = jax_ep.dispatch(x2, idx, w, num_experts=E, handle=o.handle, backend="cuda")
+    fresh = jax_ep.dispatch(x2, idx, w, num_experts=E, backend="reference")
+    return o2.recv_x, fresh.recv_x
+
+  f = h.per_rank_jit(comm.mesh, per_rank)
+  a, b = jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, x2, idx, w))))
+  comm.check()
+  _assert_same(a, b, "cached dispatch")
+
+
+def test_gradients_through_dispatch_expert_matmul_combine_equal_reference(comm):
+  rng = np.random.default_rng(11)
+  R, T, H, K, E = comm.num_ranks, 128, 256, 4, 16
+  x, idx, w = _inputs(rng, R, T, H, K, E, "float32", "random")
+  wexp = rng.standard_normal((R, E // R, H, H)).astype(np.float32) / 16
+
+  def loss(backend, x, idx, w, wexp):
+    o = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", backend=backend)
+    y = jax.lax.ragged_dot(o.recv_x, wexp, o.counts)
+    out = jax_ep.combine(y, o.handle, o.recv_topk_weights, backend=backend)
+    return jnp.sum(out * out)
+
+  def per_rank(x, idx, w, wexp):
+    return [jax.grad(functools.partial(loss, b), argnums=(0, 2, 3))(x, idx, w, wexp)
+            for b in ("cuda", "reference")]
+
+  f = h.per_rank_jit(comm.mesh, per_rank)
+  gc, gr = jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w, wexp))))
+  comm.check()
+  _assert_same(gc[0], gr[0], "dx")
+  _assert_same(gc[1], gr[1], "dtopk_weights")
+  np.testing.assert_allclose(np.asarray(gc[2]), np.asarray(gr[2]), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_expert_id_and_capacity_overflow_raise_then_next_call_works(comm):
+  rng = np.random.default_rng(13)
+  R, T, H, K, E = comm.num_ranks, 64, 256, 4, 16
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+
+  def run(idx, **kw):
+    f = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+        x, i, w, num_experts=E, backend="cuda", **kw).recv_x)
+    out = jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w))))
+    comm.check()
+    return out
+
+  bad = idx.copy()
+  bad[1, 3, 0] = E + 5
+  with pytest.raises(Exception, match="(?i)expert"):
+    run(bad)
+  with pytest.raises(Exception, match="(?i)capacity"):
+    run(idx, capacity=8)
+  good = run(idx)
+  ref = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+      x, i, w, num_experts=E, backend="reference").recv_x)(*(h.put(comm.mesh, v) for v in (x, idx, w)))
+  _assert_same(good, ref, "dispatch after errors")
+
+
+def test_thousand_repetitions_no_drift_no_hang(comm):
+  rng = np.random.default_rng(17)
+  R, T, H, K, E = comm.num_ranks, 128, 512, 8, 64
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+
+  def per_rank(x, idx, w):
+    want = acc_ref(x, idx, w)
+
+    def body(i, acc):
+      xi, _ = jax.lax.optimization_barrier((x, i))  # keep XLA from hoisting the op out of the loop
+      o = jax_ep.dispatch(xi, idx, w, num_experts=E, layout="expert", backend="cuda")
+      out = jax_ep.combine(o.recv_x, o.handle, o.recv_topk_weights, backend="cuda")
+      return acc + jnp.sum(jnp.abs(out.astype(jnp.float32) - want))
+    return jax.lax.fori_loop(0, 1000, body, jnp.float32(0))
+
+  def acc_ref(x, idx, w):
+    o = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", backend="reference")
+    return jax_ep.combine(o.recv_x, o.handle, o.recv_topk_weights,
+                          backend="reference").astype(jnp.float32)
+
+  f = h.per_rank_jit(comm.mesh, per_rank)
+  drift = np.asarray(jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w)))))
+  comm.check()
+  assert np.all(drift == 0), drift

@@ -87,7 +87,10 @@ class NcclGroup {
 // into addresses is the device-side accessor, so ask a one-warp kernel.
 __global__ void LsaPointersKernel(ncclWindow_t window, int nranks, char** out) {
   const int peer = threadIdx.x;
-  if (peer < nranks) out[peer] = static_cast<char*>(ncclGetLsaPointer(window, 0, peer));
+  // Peer pointer by world (= EP) rank: NCCL maps the LSA team's windows into
+  // one flat range, so even this rank's own entry is an alias of the
+  // ncclMemAlloc pointer at another virtual address.
+  if (peer < nranks) out[peer] = static_cast<char*>(ncclGetPeerPointer(window, 0, peer));
 }
 
 struct Registry {
@@ -159,8 +162,6 @@ void FetchPeerPointers(DeviceResources& d) {
   char** dev_out = nullptr;
   CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev_out), kMaxRanks * sizeof(char*)),
             "cudaMalloc(lsa pointers)", d.device_ordinal);
-  // LSA rank == world rank here: CheckLsaReachable made the LSA team the
-  // whole group, and the LSA team of a single-node group is in world order.
   LsaPointersKernel<<<1, 32>>>(d.window, d.nranks, dev_out);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
@@ -172,12 +173,6 @@ void FetchPeerPointers(DeviceResources& d) {
     if (d.peer_base[r] == nullptr) {
       Fail("NCCL returned no LSA address for rank " + std::to_string(r) + "'s window");
     }
-  }
-  if (d.peer_base[d.rank] != d.window_ptr) {
-    // Not fatal for correctness of LSA accesses, but it means the LSA/world
-    // rank correspondence assumed above does not hold.
-    Fail("LSA pointer of this rank does not map to its own window: LSA rank order differs "
-         "from EP rank order, which jax_ep does not support");
   }
 }
 

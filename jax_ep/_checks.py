@@ -76,13 +76,21 @@ def check_positive(name: str, value, *, allow_none: bool = False) -> None:
     raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def raise_if(bad: jax.Array, message: str, *details: jax.Array) -> None:
-  """Raises EpRuntimeError(message.format(*details)) when `bad` is true at run time.
+def raise_if(bad: jax.Array, message: str, *details: jax.Array, axis_name: str) -> None:
+  """Raises EpRuntimeError(message.format(*details)) when `bad` is true on any
+  rank of `axis_name` at run time.
 
-  The exception surfaces from the jitted call (as a JaxRuntimeError whose text
-  holds this message); the op's outputs are not silently truncated data.
+  The flag and the details are reduced over the axis first (max), so every
+  rank raises at the same point: a rank that stopped alone would leave its
+  peers waiting in the next collective. The exception surfaces from the
+  jitted call (as a JaxRuntimeError whose text holds this message); the op's
+  outputs are never silently truncated data.
   """
+  from jax import lax
+  bad = lax.pmax(jnp.asarray(bad, jnp.int32), axis_name)
+  details = tuple(lax.pmax(jnp.asarray(d), axis_name) for d in details)
+
   def _cb(b, *d):
-    if bool(b):
+    if int(b):
       raise EpRuntimeError(message.format(*[np.asarray(v).tolist() for v in d]))
   jax.debug.callback(_cb, bad, *details)

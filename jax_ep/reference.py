@@ -68,10 +68,10 @@ def _valid_ids(topk_idx: Array, num_experts: int) -> Array:
   return (topk_idx >= 0) & (topk_idx < num_experts)
 
 
-def _check_ids(op: str, topk_idx: Array, num_experts: int) -> None:
+def _check_ids(op: str, topk_idx: Array, num_experts: int, axis_name: str) -> None:
   bad = jnp.any((topk_idx < -1) | (topk_idx >= num_experts))
   raise_if(bad, f"jax_ep {op}: expert id outside [-1, {num_experts}) in topk_idx "
-                "(min {}, max {})", jnp.min(topk_idx, initial=0), jnp.max(topk_idx, initial=0))
+                "(max {})", jnp.max(topk_idx, initial=0), axis_name=axis_name)
 
 
 def _rank_of(topk_idx: Array, num_experts: int, num_ranks: int) -> Array:
@@ -132,7 +132,7 @@ def dispatch(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_expe
   if fp8:
     x = _fp8.quantize(x, ue8m0=ue8m0)
   if handle is None:
-    _check_ids("dispatch", topk_idx, num_experts)
+    _check_ids("dispatch", topk_idx, num_experts, axis_name)
     handle = _route(topk_idx, num_experts=num_experts, num_ranks=num_ranks, layout=layout,
                     capacity=capacity, expert_alignment=expert_alignment, axis_name=axis_name)
   return _move(x, topk_idx, topk_weights, handle, axis_name)
@@ -176,7 +176,8 @@ def _route(topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, ca
     src_k = jnp.where(entry >= 0, entry % max(k, 1), -1)
     recv_counts = jnp.sum(here, axis=(1, 2), dtype=jnp.int32)
   raise_if(total > capacity, f"jax_ep dispatch: capacity overflow: {{}} rows needed, capacity={capacity} "
-                             "(raise `capacity` or leave it None for the worst case)", total)
+                             "(raise `capacity` or leave it None for the worst case)", total,
+           axis_name=axis_name)
   return DispatchHandle(topk_idx=topk_idx, pos_in_rank=pos, recv_src_rank=src_rank,
                         recv_src_token=src_token, recv_src_k=src_k, recv_counts=recv_counts,
                         layout=layout, num_experts=num_experts, capacity=capacity,
@@ -290,7 +291,7 @@ def return_row_weights(dw: Array, h: DispatchHandle, axis_name: str) -> Array:
 
 def low_latency_dispatch_start(x: Array, topk_idx: Array, *, num_experts: int, max_tokens: int,
                                axis_name: str, fp8: bool = False, ue8m0: bool = False):
-  _check_ids("low_latency_dispatch", topk_idx, num_experts)
+  _check_ids("low_latency_dispatch", topk_idx, num_experts, axis_name)
   if fp8:
     x = _fp8.quantize(x, ue8m0=ue8m0)
   return (_map_payload(lambda a: _gather(a, axis_name), x), _gather(topk_idx, axis_name))
@@ -317,7 +318,8 @@ def low_latency_dispatch_done(pending, *, num_experts: int, max_tokens: int,
   entry = jnp.full((e_l * m,), -1, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32),
                                                           mode="drop")
   raise_if(jnp.any(sizes > m), f"jax_ep low_latency_dispatch: capacity overflow: an expert got {{}} rows, "
-                               f"room for R*max_tokens={m}", jnp.max(sizes, initial=0))
+                               f"room for R*max_tokens={m}", jnp.max(sizes, initial=0),
+           axis_name=axis_name)
   tok = jnp.where(entry >= 0, entry // max(k, 1), -1)                  # flat (s, t)
 
   def place(a):
@@ -367,8 +369,8 @@ def engram_fetch_start(table: Array, indices: Array, *, axis_name: str,
   v_l = table.shape[0]
   v = v_l * num_ranks
   raise_if(jnp.any((indices < -1) | (indices >= v)),
-           f"jax_ep engram_fetch: row index outside [-1, {v}) (min {{}}, max {{}})",
-           jnp.min(indices, initial=0), jnp.max(indices, initial=0))
+           f"jax_ep engram_fetch: row index outside [-1, {v}) (largest index {{}})",
+           jnp.max(indices, initial=0), axis_name=axis_name)
   req = _gather(indices, axis_name)                                     # [R, T, e]
   mine = (req >= 0) & (req // v_l == r)
   resp = _take_rows(table, jnp.where(mine, req - r * v_l, v_l).reshape(-1))

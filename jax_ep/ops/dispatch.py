@@ -79,6 +79,8 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
                                     num_experts=num_experts, expert_alignment=expert_alignment)
   cfg = _Cfg(num_experts, axis_name, layout, int(capacity), int(expert_alignment), bool(fp8),
              bool(ue8m0), backend)
+  if t == 0:
+    return _empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks)
   if fp8 or is_fp8_pair(x):
     # FP8 payloads are forward-only: nothing flows back into x through them.
     x = jax.tree.map(jax.lax.stop_gradient, x)
@@ -112,10 +114,38 @@ def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] =
     raise ValueError(f"weights must be [C={c}] per-row weights, got shape {list(weights.shape)}")
   cfg = _Cfg(handle.num_experts, axis_name, handle.layout, c, handle.expert_alignment, False,
              False, backend)
+  if handle.topk_idx.shape[0] == 0:
+    return jnp.zeros((0, y.shape[1]), y.dtype) + 0 * jnp.sum(y)
   return _combine_vjp(cfg, y, handle, weights)
 
 
 # ------------------------------------------------------------ implementations
+
+def _empty_dispatch(cfg: _Cfg, x, topk_idx, topk_weights, num_ranks: int) -> DispatchOutput:
+  """T = 0 on every rank (T is static): nothing moves; all rows are padding.
+
+  Built directly: XLA's sharding pass rejects some programs whose shard_map
+  inputs are all empty, and there is nothing to communicate anyway.
+  """
+  c, k = cfg.capacity, topk_idx.shape[1]
+  e_l = cfg.num_experts // num_ranks
+  none = jnp.full((c,), -1, jnp.int32)
+  h = DispatchHandle(topk_idx=topk_idx, pos_in_rank=jnp.zeros((0, num_ranks), jnp.int32),
+                     recv_src_rank=none, recv_src_token=none, recv_src_k=none,
+                     recv_counts=jnp.zeros((num_ranks,), jnp.int32), layout=cfg.layout,
+                     num_experts=cfg.num_experts, capacity=c,
+                     expert_alignment=cfg.expert_alignment)
+  if is_fp8_pair(x) or cfg.fp8:
+    h_dim = (x[0] if is_fp8_pair(x) else x).shape[1]
+    recv_x = (jnp.zeros((c, h_dim), jnp.float8_e4m3fn), jnp.zeros((c, h_dim // 128), jnp.float32))
+  else:
+    recv_x = jnp.zeros((c, x.shape[1]), x.dtype)
+  rank = cfg.layout == "rank"
+  w_shape = (c, k) if rank else (c,)
+  recv_w = None if topk_weights is None else jnp.zeros(w_shape, topk_weights.dtype)
+  counts = jnp.zeros((num_ranks,) if rank else (e_l,), jnp.int32)
+  return DispatchOutput(recv_x, jnp.full(w_shape, -1, jnp.int32), recv_w, counts, h)
+
 
 def _dispatch_impl(cfg: _Cfg, x, topk_idx, topk_weights, handle) -> DispatchOutput:
   def reference(x, topk_idx, topk_weights, handle):

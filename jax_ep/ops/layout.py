@@ -27,7 +27,7 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: str
                 num_ranks=num_ranks)
 
   def reference(idx):
-    ref._check_ids("get_dispatch_layout", idx, num_experts)
+    ref._check_ids("get_dispatch_layout", idx, num_experts, axis_name)
     return ref.get_dispatch_layout(idx, num_experts=num_experts, axis_name=axis_name)
 
   def cuda(comm):

@@ -81,11 +81,18 @@ def _rank_of(topk_idx: Array, num_experts: int, num_ranks: int) -> Array:
 
 
 def _ordered_sum(products: list[tuple[Array, Array]], shape, dtype) -> Array:
-  """acc = 0; acc = acc + p for (mask, p) in order, p already float32."""
-  acc = jnp.zeros(shape, jnp.float32)
+  """acc = -0.0; acc = acc + p for (mask, p) in order, p already float32.
+
+  -0.0 is the exact additive identity (XLA folds `0 + p` into `p`, which
+  differs for p = -0.0, so start from the identity that folding preserves);
+  tokens with no rows give +0.0.
+  """
+  acc = jnp.full(shape, -0.0, jnp.float32)
+  seen = jnp.zeros(shape[:1] + (1,), bool)
   for mask, p in products:
     acc = jnp.where(mask, acc + p, acc)
-  return acc.astype(dtype)
+    seen = seen | mask
+  return jnp.where(seen, acc, 0.0).astype(dtype)
 
 
 def _weighted(y: Array, w: Optional[Array]) -> Array:

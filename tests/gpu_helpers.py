@@ -55,7 +55,7 @@ def per_rank_jit(mesh: Mesh, fn):
     """jit(shard_map(fn)) over the EP axis; fn sees per-rank arrays (the
     leading rank axis of size 1 dropped) and every output gets it back."""
     def inner(*args):
-        out = fn(*(a[0] for a in args))
+        out = fn(*jax.tree.map(lambda a: a[0], args))
         return jax.tree.map(lambda v: v[None], out)
 
     def outer(*args):

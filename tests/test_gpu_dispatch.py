@@ -77,7 +77,7 @@ def _both(comm, E, layout, fp8, fn_rows, x, idx, w, **kw):
     return outs
 
   f = h.per_rank_jit(comm.mesh, per_rank)
-  args = jax.tree.map(lambda a: h.put(comm.mesh, a), (x, idx, w))
+  args = jax.tree.map(lambda a: h.put(comm.mesh, np.asarray(a)), (x, idx, w))
   res = jax.block_until_ready(f(*args))
   comm.check()
   return res

@@ -227,12 +227,15 @@ __global__ void __launch_bounds__(kReduceThreads, 1) CombineReduceKernel(Combine
       }
     }
     uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes);
+    // -0.0 is the exact additive identity (the reference starts there, since
+    // XLA folds 0 + p into p); a token with no rows gets +0.0.
+    const float init = n > 0 ? -0.f : 0.f;
     for (int base = 0; base < nvec; base += 32 * kUnroll) {
       float acc[kUnroll][V];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc[u][e] = 0.f;
+        for (int e = 0; e < V; ++e) acc[u][e] = init;
       for (int i = 0; i < n; ++i) {
         const char* row = my + w.recv_off + __shfl_sync(kFullMask, my_slot, i) * w.row_bytes;
         const uint4* src = reinterpret_cast<const uint4*>(row);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import jax
 from jax import lax
 
 BACKENDS = (None, "auto", "reference", "cuda")
@@ -43,7 +44,29 @@ def run(backend: Optional[str], axis_name: str, reference: Callable,
     if c is None:
       raise ValueError(f"backend='cuda' needs jax_ep built with CUDA and a Communicator for axis "
                        f"{axis_name!r} (jax_ep.Communicator.create(mesh, {axis_name!r}))")
-    return cuda(c)(*args)
+    return vary(cuda(c)(*args), axis_name)
   if c is None:
     return reference(*args)
-  return lax.platform_dependent(*args, default=reference, cuda=cuda(c))
+  return lax.platform_dependent(*args, default=reference,
+                                cuda=lambda *a: vary(cuda(c)(*a), axis_name))
+
+
+def _varying_axes(x) -> frozenset:
+  aval = jax.typeof(x)
+  m = getattr(aval, "manual_axis_type", None)
+  if m is not None:
+    return m.varying
+  return getattr(aval, "vma", frozenset())
+
+
+def vary(tree, axis_name: str):
+  """Marks custom-call outputs as varying over the EP axis, as the reference's
+  collective outputs are, so both backends have one type under shard_map's
+  check_vma (a no-op when it is off)."""
+  def f(x):
+    if axis_name in _varying_axes(x):
+      return x
+    if hasattr(lax, "pcast"):
+      return lax.pcast(x, axis_name, to="varying")
+    return lax.pvary(x, (axis_name,))
+  return jax.tree.map(f, tree)

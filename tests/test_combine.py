@@ -1,0 +1,119 @@
+"""combine: weighted reduction of rows back to their source tokens, f32
+accumulation in the fixed order (destination rank, local expert, k), checked
+exactly against a NumPy float32 loop in the same order."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from conftest import run_sharded
+from oracle import BF16, F32, assert_fixed_order_exact
+
+F16 = np.dtype(np.float16)
+
+
+def _combine(R, E, T, x, idx, w, y, rw, *, layout, weights_mode, align=1):
+    """Dispatch for the routing (handle), then combine y with the chosen weights."""
+
+    def fn(x, i, w, y, rw):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout=layout,
+                            expert_alignment=align)
+        if weights_mode == "none":
+            weights = None
+        elif weights_mode == "recv":
+            weights = o.recv_topk_weights
+        else:
+            weights = rw
+        return jax_ep.combine(y, o.handle, weights, axis_name="ep")
+
+    return run_sharded(R, fn, x, idx, w, y, rw)
+
+
+CASES = [
+    # R, T, K, E, H, dtype, layout, weights, mode, align
+    (1, 16, 2, 8, 128, F32, "rank", "row", "random", 1),
+    (2, 33, 4, 8, 256, BF16, "rank", "none", "random", 1),
+    (4, 16, 2, 16, 128, BF16, "rank", "row", "random", 1),
+    (4, 16, 4, 8, 128, F32, "rank", "row", "random", 1),
+    (8, 33, 2, 32, 128, F32, "rank", "row", "random", 1),
+    (8, 16, 4, 8, 128, BF16, "rank", "none", "empty_rank", 1),
+    (2, 16, 2, 8, 128, BF16, "rank", "row", "skewed", 1),
+    (1, 16, 2, 8, 128, F32, "expert", "recv", "random", 1),
+    (2, 33, 4, 8, 256, BF16, "expert", "recv", "random", 1),
+    (4, 16, 4, 8, 128, F32, "expert", "row", "random", 4),
+    (8, 33, 2, 32, 128, BF16, "expert", "recv", "random", 1),
+    (8, 16, 4, 16, 128, F16, "expert", "none", "random", 2),
+    (4, 16, 2, 8, 128, BF16, "expert", "recv", "empty_rank", 1),
+    (2, 16, 2, 8, 128, F32, "expert", "recv", "skewed", 3),
+    (8, 1, 1, 8, 128, F32, "expert", "recv", "random", 1),
+]
+
+
+def _id(c):
+    return "-".join(str(getattr(v, "name", v)) for v in c)
+
+
+@pytest.mark.parametrize("R,T,K,E,H,dtype,layout,wmode,mode,align", CASES, ids=[_id(c) for c in CASES])
+def test_combine_equals_fixed_order_f32_sum_exactly(R, T, K, E, H, dtype, layout, wmode, mode, align):
+    rng = np.random.default_rng(8000 + R * 13 + T + K * 3 + E + H + align + len(layout + wmode))
+    idx, w = oracle.make_topk(rng, R, T, K, E, mode=mode)
+    x = oracle.make_x(rng, (R, T, H), dtype)
+    if layout == "rank":
+        exp_d = oracle.dispatch_rank((x,), idx, w, E)
+    else:
+        exp_d = oracle.dispatch_expert((x,), idx, w, E, align)
+    C = exp_d[0].payload[0].shape[0]
+    # rows (padding rows included) carry arbitrary nonzero data: padding must be ignored
+    y = oracle.make_x(rng, (R, C, H), dtype)
+    rw = rng.uniform(-1.5, 1.5, size=(R, C)).astype(np.float32)
+    got = _combine(R, E, T, x, idx, w, y, rw, layout=layout, weights_mode=wmode, align=align)
+    if wmode == "none":
+        weights = None
+    elif wmode == "recv":
+        weights = np.stack([d.topk_weights for d in exp_d])
+    else:
+        weights = rw
+    rows = [d.rows for d in exp_d]
+    assert_fixed_order_exact(got, lambda mode: oracle.combine(y, rows, weights, T, mode=mode))
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_combine_tokens_without_rows_are_zero(layout):
+    R, T, K, E, H = 4, 16, 2, 8, 128
+    rng = np.random.default_rng(8100 + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E, drop=0.0)
+    idx[:, ::3] = -1  # every third token of every rank routes nowhere
+    idx[1] = -1  # and rank 1 routes nothing at all
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    C = R * T if layout == "rank" else R * T * min(K, E // R)
+    y = oracle.make_x(rng, (R, C, H), BF16)
+    rw = rng.uniform(0.5, 1.5, size=(R, C)).astype(np.float32)
+    got = _combine(R, E, T, x, idx, w, y, rw, layout=layout, weights_mode="row")
+    assert got.dtype == BF16 and got.shape == (R, T, H)
+    dead = (idx < 0).all(-1)
+    assert not got.astype(np.float32)[dead].any()
+    assert got.astype(np.float32)[~dead].any()
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_dispatch_then_unweighted_combine_counts_copies_of_x(layout):
+    """combine(recv_x) with unit weights returns x times the number of rows of t."""
+    R, T, K, E, H = 4, 16, 4, 16, 128
+    rng = np.random.default_rng(8200 + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    # small integers: sums are exact in any order
+    x = rng.integers(-8, 9, size=(R, T, H)).astype(np.float32)
+
+    def fn(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout=layout)
+        return jax_ep.combine(o.recv_x, o.handle, axis_name="ep")
+
+    got = run_sharded(R, fn, x, idx, w)
+    El = E // R
+    if layout == "rank":
+        n = np.array([[len({int(e) // El for e in idx[s, t] if e >= 0}) for t in range(T)] for s in range(R)])
+    else:
+        n = (idx >= 0).sum(-1)
+    np.testing.assert_array_equal(got, x * n[..., None].astype(np.float32))

@@ -1,0 +1,263 @@
+"""dispatch: rank layout and expert layout rows, bitwise against the NumPy oracle;
+FP8 payloads (tuple moved bitwise, cast inside), capacity, cached dispatch."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from conftest import make_mesh, run_sharded, sharded
+from oracle import BF16, F32, FP8, bits
+
+F16 = np.dtype(np.float16)
+
+
+def _dispatch(R, E, x, idx, w, **kw):
+    def fn(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", **kw)
+        return o.recv_x, o.recv_topk_idx, o.recv_topk_weights, o.counts
+
+    return run_sharded(R, fn, x, idx, w)
+
+
+def _payload(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def assert_rank_layout(out, exp, C):
+    recv_x, ridx, rw, counts = out
+    got_payload = _payload(recv_x)
+    R = len(exp)
+    for r in range(R):
+        e = exp[r]
+        assert len(got_payload) == len(e.payload)
+        for j, (g, x) in enumerate(zip(got_payload, e.payload)):
+            assert g.shape[1:] == x.shape, (j, g.shape, x.shape)
+            assert g.dtype == x.dtype, (j, g.dtype, x.dtype)
+            np.testing.assert_array_equal(bits(g[r]), bits(x), err_msg=f"payload {j}, dest rank {r}")
+        assert ridx.dtype == np.int32 and ridx.shape[1] == C
+        np.testing.assert_array_equal(ridx[r], e.topk_idx, err_msg=f"recv_topk_idx, dest rank {r}")
+        assert rw.dtype == np.float32
+        np.testing.assert_array_equal(rw[r], e.topk_weights, err_msg=f"recv_topk_weights, dest {r}")
+        assert counts.dtype == np.int32
+        np.testing.assert_array_equal(counts[r], e.counts, err_msg=f"counts, dest rank {r}")
+
+
+def assert_expert_layout(out, exp, C):
+    recv_x, ridx, rw, sizes = out
+    got_payload = _payload(recv_x)
+    for r in range(len(exp)):
+        e = exp[r]
+        for j, (g, x) in enumerate(zip(got_payload, e.payload)):
+            assert g.shape[1:] == x.shape, (j, g.shape, x.shape)
+            assert g.dtype == x.dtype
+            np.testing.assert_array_equal(bits(g[r]), bits(x), err_msg=f"payload {j}, dest rank {r}")
+        assert ridx.dtype == np.int32 and ridx.shape[1:] == (C,)
+        np.testing.assert_array_equal(ridx[r], e.topk_idx, err_msg=f"recv_topk_idx, dest rank {r}")
+        assert rw.dtype == np.float32 and rw.shape[1:] == (C,)
+        np.testing.assert_array_equal(rw[r], e.topk_weights, err_msg=f"recv weights, dest {r}")
+        assert sizes.dtype == np.int32
+        np.testing.assert_array_equal(sizes[r], e.group_sizes, err_msg=f"group_sizes, dest {r}")
+
+
+RANK_CASES = [
+    # R, T, K, E, H, dtype, mode
+    (1, 16, 2, 8, 128, F32, "random"),
+    (2, 33, 4, 8, 256, BF16, "random"),
+    (4, 16, 2, 16, 128, BF16, "random"),
+    (4, 1, 1, 16, 128, F32, "random"),
+    (8, 33, 2, 32, 128, BF16, "random"),
+    (8, 16, 4, 8, 256, F16, "random"),
+    (2, 16, 2, 8, 128, BF16, "skewed"),
+    (8, 16, 2, 16, 128, F32, "skewed"),
+    (4, 16, 2, 8, 128, BF16, "empty_rank"),
+    (1, 16, 2, 8, 128, BF16, "all_invalid"),
+    (8, 16, 1, 8, 128, F32, "all_invalid"),
+]
+
+
+def _id(case):
+    return "-".join(str(getattr(c, "name", c)) for c in case)
+
+
+@pytest.mark.parametrize("R,T,K,E,H,dtype,mode", RANK_CASES, ids=[_id(c) for c in RANK_CASES])
+def test_rank_layout_rows_ordered_by_source_rank_then_token_bitwise(R, T, K, E, H, dtype, mode):
+    rng = np.random.default_rng(1000 + R * 31 + T * 7 + K + E + H)
+    idx, w = oracle.make_topk(rng, R, T, K, E, mode=mode)
+    x = oracle.make_x(rng, (R, T, H), dtype)
+    out = _dispatch(R, E, x, idx, w, layout="rank")
+    C = oracle.default_capacity_rank(R, T)
+    assert out[0].shape == (R, C, H), "default rank-layout capacity is R*T"
+    assert_rank_layout(out, oracle.dispatch_rank((x,), idx, w, E), C)
+
+
+EXPERT_CASES = [
+    # R, T, K, E, H, dtype, mode, alignment
+    (1, 16, 2, 8, 128, F32, "random", 1),
+    (2, 33, 4, 8, 256, BF16, "random", 1),
+    (2, 16, 4, 8, 128, BF16, "random", 4),
+    (4, 16, 2, 16, 128, BF16, "random", 3),
+    (4, 1, 1, 16, 128, F32, "random", 8),
+    (8, 33, 2, 32, 128, BF16, "random", 1),
+    (8, 16, 4, 8, 256, F16, "random", 2),
+    (2, 16, 2, 8, 128, BF16, "skewed", 4),
+    (8, 16, 2, 16, 128, F32, "skewed", 1),
+    (4, 16, 2, 8, 128, BF16, "empty_rank", 4),
+    (1, 16, 2, 8, 128, BF16, "all_invalid", 1),
+    (8, 16, 1, 8, 128, F32, "all_invalid", 4),
+]
+
+
+@pytest.mark.parametrize(
+    "R,T,K,E,H,dtype,mode,align", EXPERT_CASES, ids=[_id(c) for c in EXPERT_CASES]
+)
+def test_expert_layout_rows_grouped_by_local_expert_padded_to_alignment_bitwise(
+    R, T, K, E, H, dtype, mode, align
+):
+    rng = np.random.default_rng(2000 + R * 31 + T * 7 + K + E + H + align)
+    idx, w = oracle.make_topk(rng, R, T, K, E, mode=mode)
+    x = oracle.make_x(rng, (R, T, H), dtype)
+    out = _dispatch(R, E, x, idx, w, layout="expert", expert_alignment=align)
+    El = E // R
+    C = oracle.default_capacity_expert(R, T, K, El, align)
+    assert out[0].shape == (R, C, H), f"default expert-layout capacity {C}"
+    exp = oracle.dispatch_expert((x,), idx, w, E, align)
+    assert_expert_layout(out, exp, C)
+    # group sizes are multiples of the alignment and sum to the used rows
+    for r in range(R):
+        assert (out[3][r] % align == 0).all()
+        assert out[3][r].sum() == exp[r].num_rows
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("R", [2, 8])
+def test_fp8_tuple_payload_moved_bitwise(layout, R):
+    T, K, E, H = 16, 2, 16, 256
+    rng = np.random.default_rng(3000 + R + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    q, s = oracle.make_fp8_tuple(rng, R, T, H)
+    out = _dispatch(R, E, (q, s), idx, w, layout=layout)
+    assert isinstance(out[0], (tuple, list)) and len(out[0]) == 2
+    assert out[0][0].dtype == FP8 and out[0][1].dtype == F32
+    if layout == "rank":
+        assert_rank_layout(out, oracle.dispatch_rank((q, s), idx, w, E), R * T)
+    else:
+        C = oracle.default_capacity_expert(R, T, K, E // R, 1)
+        assert_expert_layout(out, oracle.dispatch_expert((q, s), idx, w, E), C)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["f32scale", "ue8m0"])
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_fp8_cast_inside_matches_numpy_quantisation_exactly(ue8m0, layout, R):
+    T, K, E, H = 16, 2, 8, 256
+    rng = np.random.default_rng(4000 + R + 2 * ue8m0 + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    # make block amax span several binades, include a tiny block (< 1e-4 clamp)
+    x = (x.astype(np.float32) * rng.choice([1e-3, 0.1, 1.0, 30.0], size=(R, T, 1))).astype(BF16)
+    x[0, 0, :128] = (np.full(128, 1e-6, np.float32) * np.sign(rng.standard_normal(128))).astype(BF16)
+    q, s = oracle.quantize_fp8(x, ue8m0=ue8m0)
+    out = _dispatch(R, E, x, idx, w, layout=layout, fp8=True, ue8m0=ue8m0)
+    assert isinstance(out[0], (tuple, list)) and len(out[0]) == 2
+    if layout == "rank":
+        assert_rank_layout(out, oracle.dispatch_rank((q, s), idx, w, E), R * T)
+    else:
+        C = oracle.default_capacity_expert(R, T, K, E // R, 1)
+        assert_expert_layout(out, oracle.dispatch_expert((q, s), idx, w, E), C)
+    if ue8m0:  # the scales that came through are powers of two
+        sc = out[0][1]
+        sc = sc[sc != 0]
+        assert sc.size and np.all(np.frexp(sc)[0] == 0.5)
+
+
+def test_fp8_quantisation_oracle_self_check():
+    """The numpy quantiser itself: q*s reconstructs x within e4m3 precision."""
+    rng = np.random.default_rng(5)
+    x = oracle.make_x(rng, (4, 256), BF16)
+    for ue in (False, True):
+        q, s = oracle.quantize_fp8(x, ue8m0=ue)
+        rec = q.astype(np.float32).reshape(4, 2, 128) * s[..., None]
+        np.testing.assert_allclose(rec.reshape(4, 256), x.astype(np.float32), rtol=0.07, atol=1e-3)
+        assert np.abs(q.astype(np.float32)).max() <= 448
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_explicit_capacity_exact_fit_keeps_every_row(layout):
+    R, T, K, E, H = 4, 16, 2, 8, 128
+    rng = np.random.default_rng(6000 + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    if layout == "rank":
+        C = oracle.needed_capacity_rank(idx, E)
+        out = _dispatch(R, E, x, idx, w, layout="rank", capacity=C)
+        assert out[0].shape == (R, C, H)
+        assert_rank_layout(out, oracle.dispatch_rank((x,), idx, w, E, capacity=C), C)
+    else:
+        C = oracle.needed_capacity_expert(idx, E, 2)
+        out = _dispatch(R, E, x, idx, w, layout="expert", capacity=C, expert_alignment=2)
+        assert out[0].shape == (R, C, H)
+        assert_expert_layout(out, oracle.dispatch_expert((x,), idx, w, E, 2, capacity=C), C)
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_cached_dispatch_with_handle_equals_fresh_dispatch_of_other_data(layout):
+    R, T, K, E, H = 4, 16, 2, 16, 128
+    rng = np.random.default_rng(7000 + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    x1 = oracle.make_x(rng, (R, T, H), BF16)
+    x2 = oracle.make_x(rng, (R, T, H), BF16)
+
+    def fn(x1, x2, i, w):
+        kw = dict(num_experts=E, axis_name="ep", layout=layout)
+        o1 = jax_ep.dispatch(x1, i, w, **kw)
+        cached = jax_ep.dispatch(x2, i, w, handle=o1.handle, **kw)
+        fresh = jax_ep.dispatch(x2, i, w, **kw)
+        return tuple(cached[:4]), tuple(fresh[:4])
+
+    cached, fresh = run_sharded(R, fn, x1, x2, idx, w)
+    for a, b in zip(jax.tree.leaves(cached), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    if layout == "rank":
+        assert_rank_layout(cached, oracle.dispatch_rank((x2,), idx, w, E), R * T)
+    else:
+        C = oracle.default_capacity_expert(R, T, K, E // R, 1)
+        assert_expert_layout(cached, oracle.dispatch_expert((x2,), idx, w, E), C)
+
+
+def test_handle_is_pytree_of_arrays_that_crosses_a_jit_boundary():
+    """dispatch in one jitted shard_map, combine with the returned handle in another."""
+    R, T, K, E, H = 2, 16, 2, 8, 128
+    rng = np.random.default_rng(7100)
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), F32)
+
+    def first(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout="rank")
+        return o.recv_x, o.handle
+
+    recv, handle = sharded(R, first)(x, idx, w)
+    for leaf in jax.tree.leaves(handle):
+        assert isinstance(leaf, jax.Array)
+
+    def second(y, h):
+        return jax_ep.combine(y, h, axis_name="ep")
+
+    out = np.asarray(sharded(R, second)(recv, handle))
+    exp = oracle.dispatch_rank((x,), idx, w, E)
+    rows = [d.rows for d in exp]
+    oracle.assert_fixed_order_exact(out, lambda mode: oracle.combine(np.asarray(recv), rows, None, T, mode=mode))
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_zero_tokens_per_rank_gives_empty_outputs(layout):
+    R, T, K, E, H = 2, 0, 2, 8, 128
+    idx = np.zeros((R, 0, K), np.int32)
+    w = np.zeros((R, 0, K), np.float32)
+    x = np.zeros((R, 0, H), np.float32)
+    out = _dispatch(R, E, x, idx, w, layout=layout)
+    assert out[0].shape[:2] == (R, 0)
+    assert not out[3].any()

@@ -1,0 +1,148 @@
+"""Engram remote-row lookups: rows of a table split contiguously over ranks,
+-1 -> zero row, FP8 rows with replicated per-row scales, start/wait == fused,
+gradient summed into the owner's shard, out-of-range index is an error."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from conftest import run_sharded, sharded
+from oracle import BF16, F32, FP8, bits
+
+
+def _indices(rng, R, T, n, V, drop=0.2, hot=None):
+    hi = V if hot is None else hot
+    idx = rng.integers(0, hi, size=(R, T, n)).astype(np.int32)
+    idx[rng.random((R, T, n)) < drop] = -1
+    return idx
+
+
+def _shards(table, R):
+    V = table.shape[0]
+    return table.reshape(R, V // R, *table.shape[1:])
+
+
+CASES = [
+    # R, V, D, T, n, dtype, hot
+    (1, 64, 128, 16, 4, BF16, None),
+    (2, 128, 128, 33, 3, F32, None),
+    (4, 256, 64, 16, 4, BF16, None),
+    (8, 512, 128, 16, 6, BF16, None),
+    (8, 64, 32, 1, 1, F32, None),
+    (4, 64, 128, 16, 4, F32, 3),  # every lookup hits the first rank's 3 rows
+]
+
+
+def _id(c):
+    return "-".join(str(getattr(v, "name", v)) for v in c)
+
+
+@pytest.mark.parametrize("R,V,D,T,n,dtype,hot", CASES, ids=[_id(c) for c in CASES])
+def test_engram_fetch_returns_global_table_rows_and_zero_for_minus_one(R, V, D, T, n, dtype, hot):
+    rng = np.random.default_rng(11000 + R + V + D + T + n)
+    table = oracle.make_x(rng, (V, D), dtype)
+    idx = _indices(rng, R, T, n, V, hot=hot)
+
+    def fn(tab, i):
+        return jax_ep.engram_fetch(tab, i, axis_name="ep")
+
+    got = run_sharded(R, fn, _shards(table, R), idx)
+    exp = oracle.engram_fetch(table, idx)
+    assert got.shape == (R, T, n, D) and got.dtype == table.dtype
+    np.testing.assert_array_equal(bits(got), bits(exp))
+    assert not got.astype(np.float32)[idx < 0].any()
+
+
+@pytest.mark.parametrize("R", [2, 8])
+def test_engram_fetch_fp8_rows_bitwise_with_replicated_row_scales(R):
+    V, D, T, n = 256, 128, 16, 4
+    rng = np.random.default_rng(11100 + R)
+    tq = np.clip(rng.standard_normal((V, D)) * 60, -448, 448).astype(np.float32).astype(FP8)
+    scales = rng.uniform(0.01, 4.0, V).astype(np.float32)
+    idx = _indices(rng, R, T, n, V)
+
+    def fn(tab, i, sc):
+        return jax_ep.engram_fetch(tab, i, axis_name="ep", scales=sc)
+
+    rows, row_scales = run_sharded(R, fn, _shards(tq, R), idx, np.tile(scales, (R, 1)))
+    assert rows.dtype == FP8 and row_scales.dtype == F32
+    assert rows.shape == (R, T, n, D) and row_scales.shape == (R, T, n)
+    np.testing.assert_array_equal(bits(rows), bits(oracle.engram_fetch(tq, idx)))
+    np.testing.assert_array_equal(row_scales, oracle.engram_scales(scales, idx))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_engram_fetch_start_wait_equals_fused(R, fp8):
+    V, D, T, n = 128, 128, 16, 3
+    rng = np.random.default_rng(11200 + R + fp8)
+    if fp8:
+        table = np.clip(rng.standard_normal((V, D)) * 60, -448, 448).astype(np.float32).astype(FP8)
+    else:
+        table = oracle.make_x(rng, (V, D), BF16)
+    scales = np.tile(rng.uniform(0.1, 2.0, V).astype(np.float32), (R, 1))
+    idx = _indices(rng, R, T, n, V)
+
+    def fn(tab, i, sc):
+        kw = dict(scales=sc) if fp8 else {}
+        fused = jax_ep.engram_fetch(tab, i, axis_name="ep", **kw)
+        split = jax_ep.engram_fetch_wait(jax_ep.engram_fetch_start(tab, i, **kw))
+        return fused, split
+
+    fused, split = run_sharded(R, fn, _shards(table, R), idx, scales)
+    lf, ls = jax.tree.leaves(fused), jax.tree.leaves(split)
+    assert len(lf) == len(ls) == (2 if fp8 else 1)
+    for a, b in zip(lf, ls):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(bits(a), bits(b))
+    np.testing.assert_array_equal(bits(lf[0]), bits(oracle.engram_fetch(table, idx)))
+
+
+@pytest.mark.parametrize(
+    "R,dtype,hot", [(1, F32, None), (2, F32, None), (8, F32, None), (4, F32, 5), (4, BF16, None), (8, BF16, 7)]
+)
+def test_engram_table_grad_is_sum_of_row_cotangents_into_owner_shard(R, dtype, hot):
+    V, D, T, n = 128, 128, 16, 4
+    rng = np.random.default_rng(11300 + R + (hot or 0) + (dtype == BF16))
+    table = oracle.make_x(rng, (V, D), dtype)
+    idx = _indices(rng, R, T, n, V, hot=hot)
+    if dtype == BF16:
+        # small integers: every partial sum is exact in bf16, whatever the order
+        G = rng.integers(-4, 5, size=(R, T, n, D)).astype(np.float32)
+    else:
+        G = rng.standard_normal((R, T, n, D)).astype(np.float32)
+
+    f = sharded(R, lambda tab, i: jax_ep.engram_fetch(tab, i, axis_name="ep"))
+    d = jax.grad(lambda tab: jnp.sum(G * f(tab, idx).astype(jnp.float32)))(_shards(table, R))
+    assert d.dtype == table.dtype and d.shape == (R, V // R, D)
+    exp = oracle.engram_table_grad(V, idx, G).reshape(R, V // R, D)
+    if dtype == BF16:
+        np.testing.assert_array_equal(np.asarray(d, np.float32), exp)
+    else:
+        # f32 summation in any order: |err| <= (n-1) u sum|g|, u = 2^-24, plus rounding
+        # of the float64 oracle; hot rows (many terms) need this bound, not rtol=1e-6.
+        n, abs_sum = oracle.engram_grad_terms(V, idx, G)
+        bound = np.maximum(n - 1, 0) * 2.0**-24 * abs_sum + 1e-6 * np.abs(exp.reshape(V, D))
+        bound = bound.reshape(exp.shape)
+        err = np.abs(np.asarray(d, np.float64) - exp)
+        assert np.all(err <= bound + 1e-30), f"max excess {np.max(err - bound)}"
+
+
+@pytest.mark.isolated
+def test_engram_index_out_of_range_raises_runtime_error_then_next_call_works():
+    R, V, D, T, n = 4, 64, 128, 8, 2
+    rng = np.random.default_rng(11400)
+    table = oracle.make_x(rng, (V, D), F32)
+    idx = _indices(rng, R, T, n, V)
+    f = sharded(R, lambda tab, i: jax_ep.engram_fetch(tab, i, axis_name="ep"))
+    for bad in (V, -2, V + 1000):  # one past the end, below -1, far out
+        bad_idx = idx.copy()
+        bad_idx[2, 3, 1] = bad
+        with pytest.raises(Exception, match="(?i)index"):
+            jax.block_until_ready(f(_shards(table, R), bad_idx))
+        got = np.asarray(jax.block_until_ready(f(_shards(table, R), idx)))
+        np.testing.assert_array_equal(got, oracle.engram_fetch(table, idx))

@@ -1,0 +1,185 @@
+"""Errors (DESIGN.md §4): trace-time ValueErrors that name the argument, and
+device-side errors (bad expert id, capacity overflow) raised as exceptions at
+the latest at block_until_ready, never a silent drop; the next good call works."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from conftest import run_sharded, sharded
+from oracle import BF16, F32
+
+
+def _dispatch(R, E, x, idx, w, **kw):
+    def fn(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", **kw)
+        return o.recv_x, o.recv_topk_idx, o.recv_topk_weights, o.counts
+
+    return run_sharded(R, fn, x, idx, w)
+
+
+def _inputs(R, T, K, E, H, dtype=BF16, seed=0):
+    rng = np.random.default_rng(12000 + seed)
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), dtype)
+    return x, idx, w
+
+
+# ----------------------------------------------------------------- trace-time
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_fp8_cast_with_hidden_not_multiple_of_128_is_value_error(layout):
+    x, idx, w = _inputs(2, 8, 2, 8, 192)
+    with pytest.raises(ValueError, match="hidden|128"):
+        _dispatch(2, 8, x, idx, w, layout=layout, fp8=True)
+
+
+def test_fp8_tuple_with_hidden_not_multiple_of_128_is_value_error():
+    R, T, H = 2, 8, 64
+    _, idx, w = _inputs(R, T, 2, 8, H)
+    q = np.ones((R, T, H), np.float32).astype(oracle.FP8)
+    s = np.ones((R, T, 1), np.float32)
+    with pytest.raises(ValueError, match="hidden|128"):
+        _dispatch(R, 8, (q, s), idx, w)
+
+
+def test_low_latency_fp8_with_hidden_not_multiple_of_128_is_value_error():
+    x, idx, _ = _inputs(2, 8, 2, 8, 192)
+
+    def fn(x, i):
+        return jax_ep.low_latency_dispatch(x, i, num_experts=8, max_tokens=8, axis_name="ep", fp8=True).recv_count
+
+    with pytest.raises(ValueError, match="hidden|128"):
+        run_sharded(2, fn, x, idx)
+
+
+def test_num_experts_not_divisible_by_ranks_is_value_error():
+    x, idx, w = _inputs(4, 8, 2, 10, 128)
+    with pytest.raises(ValueError, match="num_experts"):
+        _dispatch(4, 10, x, idx, w)
+    with pytest.raises(ValueError, match="num_experts"):
+        run_sharded(4, lambda i: jax_ep.get_dispatch_layout(i, num_experts=10, axis_name="ep"), idx)
+
+
+def test_topk_larger_than_num_experts_is_value_error():
+    R, T, K, E = 2, 8, 4, 2
+    rng = np.random.default_rng(1)
+    idx = rng.integers(0, E, size=(R, T, K)).astype(np.int32)
+    w = np.ones((R, T, K), np.float32)
+    x = oracle.make_x(rng, (R, T, 128), BF16)
+    with pytest.raises(ValueError, match="topk"):
+        _dispatch(R, E, x, idx, w)
+
+
+@pytest.mark.parametrize("cap", [0, -3])
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_capacity_below_one_is_value_error(layout, cap):
+    x, idx, w = _inputs(2, 8, 2, 8, 128)
+    with pytest.raises(ValueError, match="capacity"):
+        _dispatch(2, 8, x, idx, w, layout=layout, capacity=cap)
+
+
+@pytest.mark.parametrize("bad", ["extra_k", "extra_token"])
+def test_topk_weights_shape_mismatch_is_value_error(bad):
+    x, idx, w = _inputs(2, 8, 2, 8, 128)
+    w = np.concatenate([w, w[:, :, :1]], axis=2) if bad == "extra_k" else np.concatenate([w, w], axis=1)
+    with pytest.raises(ValueError, match="topk_weights"):
+        _dispatch(2, 8, x, idx, w)
+
+
+def test_unknown_layout_is_value_error():
+    x, idx, w = _inputs(2, 8, 2, 8, 128)
+    with pytest.raises(ValueError, match="layout"):
+        _dispatch(2, 8, x, idx, w, layout="token")
+
+
+@pytest.mark.parametrize("align", [0, -4])
+def test_expert_alignment_below_one_is_value_error(align):
+    x, idx, w = _inputs(2, 8, 2, 8, 128)
+    with pytest.raises(ValueError, match="alignment"):
+        _dispatch(2, 8, x, idx, w, layout="expert", expert_alignment=align)
+
+
+# ----------------------------------------------------------------- device-side
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_expert_id_out_of_range_raises_at_run_time_and_next_call_works(layout):
+    R, T, K, E, H = 4, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=5)
+
+    def fn(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout=layout)
+        return o.recv_x, o.recv_topk_idx
+
+    f = sharded(R, fn)
+    exp = oracle.dispatch_rank((x,), idx, w, E) if layout == "rank" else oracle.dispatch_expert((x,), idx, w, E)
+    for bad_id in (E, -2, 10 * E):
+        bad = idx.copy()
+        bad[1, 3, 1] = bad_id
+        with pytest.raises(Exception, match="(?i)expert"):
+            jax.block_until_ready(f(x, bad, w))
+        recv_x, ridx = (np.asarray(a) for a in jax.block_until_ready(f(x, idx, w)))
+        for r in range(R):
+            np.testing.assert_array_equal(recv_x[r].astype(np.float32), exp[r].payload[0].astype(np.float32))
+            np.testing.assert_array_equal(ridx[r], exp[r].topk_idx)
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_capacity_overflow_raises_at_run_time_never_silent_drop_then_next_call_works(layout):
+    R, T, K, E, H = 4, 16, 2, 8, 128
+    rng = np.random.default_rng(12100 + len(layout))
+    good_idx, w = oracle.make_topk(rng, R, T, K, E, drop=0.0)
+    x = oracle.make_x(rng, (R, T, H), F32)
+    if layout == "rank":
+        cap = oracle.needed_capacity_rank(good_idx, E)
+    else:
+        cap = oracle.needed_capacity_expert(good_idx, E)
+    over_idx, _ = oracle.make_topk(rng, R, T, K, E, mode="skewed")  # everything to rank 0
+    need_over = (
+        oracle.needed_capacity_rank(over_idx, E) if layout == "rank" else oracle.needed_capacity_expert(over_idx, E)
+    )
+    assert need_over > cap
+
+    def fn(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout=layout, capacity=cap)
+        return o.recv_x, o.counts
+
+    f = sharded(R, fn)
+    with pytest.raises(Exception, match="(?i)capacity"):
+        jax.block_until_ready(f(x, over_idx, w))
+    recv_x, counts = (np.asarray(a) for a in jax.block_until_ready(f(x, good_idx, w)))
+    exp = (
+        oracle.dispatch_rank((x,), good_idx, w, E, capacity=cap)
+        if layout == "rank"
+        else oracle.dispatch_expert((x,), good_idx, w, E, capacity=cap)
+    )
+    for r in range(R):
+        np.testing.assert_array_equal(recv_x[r], exp[r].payload[0])
+        np.testing.assert_array_equal(counts[r], exp[r].counts if layout == "rank" else exp[r].group_sizes)
+
+
+@pytest.mark.isolated
+def test_capacity_overflow_by_one_row_is_detected():
+    """Exactly one row too many on one rank must still raise."""
+    R, T, K, E, H = 2, 8, 1, 4, 128
+    idx = np.zeros((R, T, K), np.int32)
+    idx[:, :, 0] = np.arange(T) % E  # rank 0 gets experts 0,1; rank 1 gets 2,3
+    idx[0, 0, 0] = 0
+    idx[0, 2, 0] = 1  # token 2 (was expert 2) now goes to rank 0: rank 0 has one extra row
+    need = oracle.needed_capacity_rank(idx, E)
+    rng = np.random.default_rng(3)
+    x = oracle.make_x(rng, (R, T, H), F32)
+    w = np.ones((R, T, K), np.float32)
+
+    def fn(x, i, w):
+        return jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout="rank", capacity=need - 1).recv_x
+
+    with pytest.raises(Exception, match="(?i)capacity"):
+        jax.block_until_ready(sharded(R, fn)(x, idx, w))

@@ -1,0 +1,179 @@
+"""Low-latency (decode) dispatch/combine: per-expert packed receive buffers,
+FP8 cast, weighted combine in (expert id, k) order, split == fused bitwise."""
+from __future__ import annotations
+
+import inspect
+
+import jax
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from conftest import run_sharded
+from oracle import BF16, F32, FP8, assert_fixed_order_exact, bits
+
+
+def _required_kwonly(fn) -> list[str]:
+    return [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+    ]
+
+
+def _call_done(fn, pending, **available):
+    """Call a *_done with the pending value, plus any keyword the implementation
+    (against the contract) still requires; test_ll_done_takes_only_pending flags that."""
+    return fn(pending, **{k: available[k] for k in _required_kwonly(fn) if k in available})
+
+
+def test_ll_done_takes_only_pending():
+    """Contract: low_latency_{dispatch,combine}_done(pending) need nothing but pending."""
+    for fn in (jax_ep.low_latency_dispatch_done, jax_ep.low_latency_combine_done):
+        assert _required_kwonly(fn) == [], f"{fn.__name__} requires {_required_kwonly(fn)}"
+
+
+def _ll_dispatch(R, E, mt, x, idx, **kw):
+    def fn(x, i):
+        o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, axis_name="ep", **kw)
+        return o.recv_x, o.recv_count
+
+    return run_sharded(R, fn, x, idx)
+
+
+def _assert_ll_dispatch(got, exp, R, El, mt):
+    recv_x, count = got
+    payload = tuple(recv_x) if isinstance(recv_x, (tuple, list)) else (recv_x,)
+    assert count.dtype == np.int32 and count.shape == (R, El)
+    for r in range(R):
+        e = exp[r]
+        np.testing.assert_array_equal(count[r], e.count, err_msg=f"recv_count, rank {r}")
+        assert len(payload) == len(e.payload)
+        for j, (g, want) in enumerate(zip(payload, e.payload)):
+            assert g.shape[1:] == want.shape, (j, g.shape, want.shape)
+            assert g.shape[2] == R * mt
+            assert g.dtype == want.dtype
+            np.testing.assert_array_equal(bits(g[r]), bits(want), err_msg=f"payload {j}, rank {r}")
+
+
+LL_CASES = [
+    # R, T, K, E, H, dtype, max_tokens, mode
+    (1, 16, 2, 8, 128, BF16, 16, "random"),
+    (2, 16, 4, 8, 256, BF16, 16, "random"),
+    (4, 16, 2, 16, 128, F32, 20, "random"),
+    (8, 33, 2, 32, 128, BF16, 33, "random"),
+    (8, 16, 4, 8, 128, BF16, 16, "skewed"),
+    (4, 16, 2, 8, 128, BF16, 16, "empty_rank"),
+    (2, 1, 1, 8, 128, F32, 4, "random"),
+]
+
+
+def _id(c):
+    return "-".join(str(getattr(v, "name", v)) for v in c)
+
+
+@pytest.mark.parametrize("R,T,K,E,H,dtype,mt,mode", LL_CASES, ids=[_id(c) for c in LL_CASES])
+def test_ll_dispatch_rows_packed_per_expert_in_source_rank_token_order(R, T, K, E, H, dtype, mt, mode):
+    rng = np.random.default_rng(10000 + R * 17 + T + K + E + H + mt)
+    idx, _ = oracle.make_topk(rng, R, T, K, E, mode=mode)
+    x = oracle.make_x(rng, (R, T, H), dtype)
+    got = _ll_dispatch(R, E, mt, x, idx)
+    _assert_ll_dispatch(got, oracle.low_latency_dispatch((x,), idx, E, mt), R, E // R, mt)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["f32scale", "ue8m0"])
+@pytest.mark.parametrize("R", [2, 8])
+def test_ll_dispatch_fp8_cast_matches_numpy_quantisation_exactly(R, ue8m0):
+    T, K, E, H, mt = 16, 4, 16, 256, 16
+    rng = np.random.default_rng(10100 + R + ue8m0)
+    idx, _ = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    x = (x.astype(np.float32) * rng.choice([1e-3, 1.0, 50.0], size=(R, T, 1))).astype(BF16)
+    q, s = oracle.quantize_fp8(x, ue8m0=ue8m0)
+    got = _ll_dispatch(R, E, mt, x, idx, fp8=True, ue8m0=ue8m0)
+    assert isinstance(got[0], (tuple, list)) and len(got[0]) == 2
+    assert got[0][0].dtype == FP8 and got[0][1].dtype == F32
+    _assert_ll_dispatch(got, oracle.low_latency_dispatch((q, s), idx, E, mt), R, E // R, mt)
+
+
+LLC_CASES = [
+    # R, T, K, E, H, dtype, max_tokens, mode
+    (1, 16, 2, 8, 128, F32, 16, "random"),
+    (2, 16, 4, 8, 256, BF16, 16, "random"),
+    (4, 16, 4, 8, 128, F32, 20, "random"),
+    (8, 33, 2, 32, 128, BF16, 33, "random"),
+    (8, 16, 4, 8, 128, BF16, 16, "skewed"),
+    (4, 16, 2, 8, 128, F32, 16, "empty_rank"),
+]
+
+
+@pytest.mark.parametrize("R,T,K,E,H,dtype,mt,mode", LLC_CASES, ids=[_id(c) for c in LLC_CASES])
+def test_ll_combine_weighted_sum_in_expert_then_k_order_exactly(R, T, K, E, H, dtype, mt, mode):
+    rng = np.random.default_rng(10200 + R * 17 + T + K + E + H + mt)
+    idx, w = oracle.make_topk(rng, R, T, K, E, mode=mode)
+    x = oracle.make_x(rng, (R, T, H), dtype)
+    El = E // R
+    # every row of y nonzero, also rows past recv_count: those must be ignored
+    y = oracle.make_x(rng, (R, El, R * mt, H), dtype)
+
+    def fn(x, i, w, y):
+        o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, axis_name="ep")
+        return jax_ep.low_latency_combine(y, i, w, o.handle, axis_name="ep")
+
+    got = run_sharded(R, fn, x, idx, w, y)
+    disp = oracle.low_latency_dispatch((x,), idx, E, mt)
+    assert_fixed_order_exact(
+        got, lambda mode: oracle.low_latency_combine(y, idx, w, disp, mode=mode), "low_latency_combine"
+    )
+    if mode == "empty_rank":
+        assert not got[R - 1].astype(np.float32).any()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_ll_split_start_done_equals_fused_bitwise(R, fp8):
+    T, K, E, H, mt = 16, 2, 8, 128, 16
+    rng = np.random.default_rng(10300 + R + fp8)
+    idx, w = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    y = oracle.make_x(rng, (R, E // R, R * mt, H), BF16)
+
+    def fn(x, i, w, y):
+        kw = dict(num_experts=E, max_tokens=mt, fp8=fp8)
+        fused = jax_ep.low_latency_dispatch(x, i, axis_name="ep", **kw)
+        pend = jax_ep.low_latency_dispatch_start(x, i, **kw)
+        split = _call_done(jax_ep.low_latency_dispatch_done, pend, num_experts=E, max_tokens=mt)
+        out_fused = jax_ep.low_latency_combine(y, i, w, fused.handle, axis_name="ep")
+        pc = jax_ep.low_latency_combine_start(y, i, w, split.handle)
+        out_split = _call_done(jax_ep.low_latency_combine_done, pc, num_experts=E, max_tokens=mt)
+        return (fused.recv_x, fused.recv_count, out_fused), (split.recv_x, split.recv_count, out_split)
+
+    fused, split = run_sharded(R, fn, x, idx, w, y)
+    lf, ls = jax.tree.leaves(fused), jax.tree.leaves(split)
+    assert len(lf) == len(ls)
+    for a, b in zip(lf, ls):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(bits(a), bits(b))
+    # and both are right
+    disp = oracle.low_latency_dispatch(oracle.quantize_fp8(x) if fp8 else (x,), idx, E, mt)
+    assert_fixed_order_exact(fused[2], lambda mode: oracle.low_latency_combine(y, idx, w, disp, mode=mode))
+
+
+def test_ll_dispatch_more_tokens_than_max_tokens_is_value_error():
+    R, T, K, E, H = 2, 16, 2, 8, 128
+    rng = np.random.default_rng(10400)
+    idx, _ = oracle.make_topk(rng, R, T, K, E)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    with pytest.raises(ValueError, match="max_tokens|tokens"):
+        _ll_dispatch(R, E, T - 1, x, idx)
+
+
+def test_ll_dispatch_all_invalid_gives_zero_counts_and_zero_buffers():
+    R, T, K, E, H, mt = 4, 8, 2, 8, 128, 8
+    rng = np.random.default_rng(10500)
+    idx, _ = oracle.make_topk(rng, R, T, K, E, mode="all_invalid")
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    recv, count = _ll_dispatch(R, E, mt, x, idx)
+    assert not count.any()
+    assert not recv.astype(np.float32).any()

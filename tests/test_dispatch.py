@@ -3,13 +3,12 @@ FP8 payloads (tuple moved bitwise, cast inside), capacity, cached dispatch."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_ep
 import oracle
-from conftest import make_mesh, run_sharded, sharded
+from conftest import run_sharded, sharded
 from oracle import BF16, F32, FP8, bits
 
 F16 = np.dtype(np.float16)

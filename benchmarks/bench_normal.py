@@ -95,15 +95,20 @@ def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int) -> tuple[float, f
 def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
   """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
   import jax
+  import jax.numpy as jnp
   from jax import lax
 
   def step(*a):
-    out = None
-    carry = a
+    # Every call's output feeds a checksum that the step returns, and the
+    # barrier makes each call's inputs look new: XLA can neither drop nor
+    # merge the calls.
+    carry, check = a, jnp.float32(0)
     for _ in range(iters):
       out = fn(*carry)
-      carry = lax.optimization_barrier((carry, out))[0]
-    return out
+      carry, out = lax.optimization_barrier((carry, out))
+      first = jax.tree.leaves(out)[0]
+      check = check + first.reshape(-1)[:1].astype(jnp.float32).sum()
+    return out, check
 
   jstep = jax.jit(step)
   jax.block_until_ready(jstep(*args))  # compile + warm-up
@@ -380,6 +385,7 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="1024 tokens, fewer iterations, no ragged baseline")
   ap.add_argument("--sweep", action="store_true", help="tokens 128..16384, writes a PNG")
   ap.add_argument("--tokens", type=int, default=None)
+  ap.add_argument("--impls", default=None, help="comma list, e.g. jax_ep,jax_all_to_all")
   args = ap.parse_args(argv)
 
   try:
@@ -413,6 +419,8 @@ def main(argv=None) -> int:
   else:
     t = args.tokens or (1024 if args.quick else 4096)
     impls = None if not args.quick else ["jax_ep", "reference", "jax_all_to_all"]
+    if args.impls:
+      impls = args.impls.split(",")
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)
   _finish(records, ce, ce_note, machine)
 

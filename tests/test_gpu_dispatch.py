@@ -192,8 +192,10 @@ def test_gradients_through_dispatch_expert_matmul_combine_equal_reference(comm):
   f = h.per_rank_jit(comm.mesh, per_rank)
   gc, gr = jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w, wexp))))
   comm.check()
-  _assert_same(gc[0], gr[0], "dx")
-  _assert_same(gc[1], gr[1], "dtopk_weights")
+  _assert_same(gc[0], gr[0], "dx")   # combine of the row cotangents: fixed order, bitwise
+  # dw_row = <dout, y[row]> is an XLA reduction over H whose order XLA picks
+  # per program, so the weight gradients agree to float32 rounding.
+  np.testing.assert_allclose(np.asarray(gc[1]), np.asarray(gr[1]), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(gc[2]), np.asarray(gr[2]), rtol=1e-5, atol=1e-5)
 
 
@@ -234,7 +236,7 @@ def test_thousand_repetitions_no_drift_no_hang(comm):
       o = jax_ep.dispatch(xi, idx, w, num_experts=E, layout="expert", backend="cuda")
       out = jax_ep.combine(o.recv_x, o.handle, o.recv_topk_weights, backend="cuda")
       return acc + jnp.sum(jnp.abs(out.astype(jnp.float32) - want))
-    return jax.lax.fori_loop(0, 1000, body, jnp.float32(0))
+    return jax.lax.fori_loop(0, 1000, body, jnp.sum(want) * 0)  # a varying zero
 
   def acc_ref(x, idx, w):
     o = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", backend="reference")

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 
 namespace jax_ep {
@@ -18,20 +17,17 @@ namespace {
 
 void CheckCuda(cudaError_t err, const char* call, int device) {
   if (err != cudaSuccess) {
-    std::ostringstream os;
-    os << call << " failed on device " << device << ": " << cudaGetErrorName(err) << " ("
-       << cudaGetErrorString(err) << ")";
-    Fail(os.str());
+    Fail(std::string(call) + " failed on device " + std::to_string(device) + ": " +
+         cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
   }
 }
 
 void CheckNccl(ncclResult_t res, const char* call, ncclComm_t comm = nullptr) {
   if (res != ncclSuccess && res != ncclInProgress) {
-    std::ostringstream os;
-    os << call << " failed: " << ncclGetErrorString(res);
+    std::string msg = std::string(call) + " failed: " + ncclGetErrorString(res);
     const char* last = ncclGetLastError(comm);
-    if (last != nullptr && last[0] != '\0') os << " (" << last << ")";
-    Fail(os.str());
+    if (last != nullptr && last[0] != '\0') msg += std::string(" (") + last + ")";
+    Fail(msg);
   }
 }
 
@@ -109,13 +105,12 @@ void CheckVersion() {
   int runtime = 0;
   CheckNccl(ncclGetVersion(&runtime), "ncclGetVersion");
   if (runtime != NCCL_VERSION_CODE) {
-    std::ostringstream os;
-    os << "NCCL version mismatch: jax_ep was compiled against NCCL " << NCCL_VERSION_CODE
-       << " but the loaded libnccl is " << runtime
-       << "; the device API (ncclDevComm layout, barriers) is only compatible with the "
-          "headers it was built with. Rebuild jax_ep against the NCCL that JAX loads "
-          "(the nvidia-nccl-cu* wheel).";
-    Fail(os.str());
+    Fail("NCCL version mismatch: jax_ep was compiled against NCCL " +
+         std::to_string(NCCL_VERSION_CODE) + " but the loaded libnccl is " +
+         std::to_string(runtime) +
+         "; the device API (ncclDevComm layout, barriers) is only compatible with the "
+         "headers it was built with. Rebuild jax_ep against the NCCL that JAX loads "
+         "(the nvidia-nccl-cu* wheel).");
   }
 }
 
@@ -145,14 +140,13 @@ void CheckLsaReachable(const DeviceResources& d) {
   ncclTeam_t lsa = ncclTeamLsa(d.comm);
   for (int peer = 0; peer < d.nranks; ++peer) {
     if (!ncclTeamRankIsMember(lsa, world, peer)) {
-      std::ostringstream os;
-      os << "EP rank " << peer << " is not load/store reachable from rank " << d.rank
-         << " (device " << d.device_ordinal << "): NCCL's LSA team of rank " << d.rank
-         << " has " << lsa.nRanks << " of " << d.nranks
-         << " ranks (no NVLink/P2P path to that peer, e.g. another host or P2P disabled). "
-            "jax_ep moves data with NVLink loads/stores and has no GIN (network) path yet; "
-            "put the EP axis on GPUs of one NVLink domain.";
-      Fail(os.str());
+      Fail("EP rank " + std::to_string(peer) + " is not load/store reachable from rank " +
+           std::to_string(d.rank) + " (device " + std::to_string(d.device_ordinal) +
+           "): NCCL's LSA team of rank " + std::to_string(d.rank) + " has " +
+           std::to_string(lsa.nRanks) + " of " + std::to_string(d.nranks) +
+           " ranks (no NVLink/P2P path to that peer, e.g. another host or P2P disabled). "
+           "jax_ep moves data with NVLink loads/stores and has no GIN (network) path yet; "
+           "put the EP axis on GPUs of one NVLink domain.");
     }
   }
 }
@@ -427,33 +421,38 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
     case Op::kLowLatencyCombine: op_name = "low_latency_combine"; break;
     case Op::kEngramFetch: op_name = "engram_fetch"; break;
   }
-  std::ostringstream os;
-  os << "jax_ep " << op_name << " (EP rank " << rank << ", device " << device_ordinal << "): ";
+  // Plain string building: iostreams' locale machinery crashed here once
+  // (SIGSEGV inside ostream::operator<<(long) on the GPU image).
+  std::string msg = std::string("jax_ep ") + op_name + " (EP rank " + std::to_string(rank) +
+                    ", device " + std::to_string(device_ordinal) + "): ";
   switch (static_cast<Cause>(cause)) {
     case Cause::kBadExpertId:
-      os << "expert id out of range [-1, E) in topk_idx";
+      msg += "expert id out of range [-1, E) in topk_idx";
       break;
     case Cause::kCapacityOverflow:
-      os << "capacity overflow: more received rows than the static capacity; raise "
-            "`capacity` (or leave it None for the worst case)";
+      msg += "capacity overflow: more received rows than the static capacity; raise "
+             "`capacity` (or leave it None for the worst case)";
       break;
     case Cause::kPeerTimeout:
-      os << "peer rank " << detail << " did not arrive within " << timeout_s
-         << " s (a rank skipped or failed this call; the communicator's barriers are now out "
-            "of step: close it and create a new one)";
+      msg += "peer rank " + std::to_string(detail & 0x7fu) +
+             ((detail & 0x80u) ? " failed this call (see its own error)"
+                               : " did not arrive within " + std::to_string(timeout_s) + " s") +
+             " (the communicator's barriers may now be out of step: close it and create a new "
+             "one if later calls time out)";
       break;
     case Cause::kBadIndex:
-      os << "index out of range";
+      msg += "index out of range";
       break;
     case Cause::kWindowTooSmall:
-      os << "symmetric window too small for this call; create the Communicator with a larger "
-            "num_bytes (see get_buffer_size_hint)";
+      msg += "symmetric window too small for this call; create the Communicator with a larger "
+             "num_bytes (see get_buffer_size_hint)";
       break;
     default:
-      os << "device error cause " << cause << " (detail " << detail << ")";
+      msg += "device error cause " + std::to_string(cause) + " (detail " + std::to_string(detail) + ")";
   }
-  os << " [status 0x" << std::hex << code << "]";
-  return os.str();
+  char hex[32];
+  std::snprintf(hex, sizeof(hex), " [status 0x%08x]", code);
+  return msg + hex;
 }
 
 ncclUniqueId NewUniqueId() {

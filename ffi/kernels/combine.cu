@@ -314,9 +314,11 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
 
   CombineStartBarrierKernel<<<1, 32, 0, stream>>>(p);
   const int push_blocks = ChooseNumBlocks(a.num_sms, c.C, kPushThreads / 32, R);
-  CombinePushKernel<<<push_blocks, kPushThreads, 0, stream>>>(c, w, p, io);
+  const int skip = DiagSkipMask();
+  if (!(skip & 4)) CombinePushKernel<<<push_blocks, kPushThreads, 0, stream>>>(c, w, p, io);
   CombineOkBarrierKernel<<<1, 32, 0, stream>>>(w, p);
-  const int reduce_blocks = ChooseNumBlocks(a.num_sms, c.T, kReduceThreads / 32, R);
+  const int reduce_blocks = LocalPhaseBlocks(ChooseNumBlocks(a.num_sms, c.T, kReduceThreads / 32, R));
+  if (skip & 8) return cudaGetLastError();
   switch (a.y_dtype) {
     case EpDtype::kBF16: LaunchReduce<__nv_bfloat16>(reduce_blocks, stream, c, w, p, io); break;
     case EpDtype::kF16: LaunchReduce<__half>(reduce_blocks, stream, c, w, p, io); break;

@@ -618,6 +618,22 @@ __global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCf
 
 // ---------------------------------------------------------------- host
 
+int DiagSkipMask() {
+  static const int mask = [] {
+    const char* env = std::getenv("JAX_EP_DIAG_SKIP");
+    return env ? std::atoi(env) : 0;
+  }();
+  return mask;
+}
+
+int LocalPhaseBlocks(int model_choice) {
+  static const int n = [] {
+    const char* env = std::getenv("JAX_EP_LOCAL_SMS");
+    return env ? std::atoi(env) : 0;
+  }();
+  return n > 0 ? n : model_choice;
+}
+
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
   int cap = requested;
   if (cap <= 0) {
@@ -698,11 +714,13 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 
+  const int skip = DiagSkipMask();
   const int push_blocks = ChooseNumBlocks(a.num_sms, c.T, kDataThreads / 32, R);
   // The casting variants need ~80 registers: 512 threads per CTA keeps them
   // out of local memory (same CTA count, half the loads in flight).
   const int cast_blocks = ChooseNumBlocks(a.num_sms, c.T, kCastThreads / 32, R);
-  if (!a.cast_fp8) {
+  if (skip & 1) {
+  } else if (!a.cast_fp8) {
     DispatchPushKernel<uint8_t, false, kDataThreads><<<push_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
   } else if (a.x_dtype == EpDtype::kBF16) {
     DispatchPushKernel<__nv_bfloat16, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
@@ -712,8 +730,9 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
     DispatchPushKernel<float, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
   }
   DispatchOkBarrierKernel<<<1, 32, 0, stream>>>(w, p);
-  const int recv_blocks = ChooseNumBlocks(a.num_sms, std::max(c.C, R * c.T), kDataThreads / 32, R);
-  DispatchRecvKernel<<<recv_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
+  const int recv_blocks =
+      LocalPhaseBlocks(ChooseNumBlocks(a.num_sms, std::max(c.C, R * c.T), kDataThreads / 32, R));
+  if (!(skip & 2)) DispatchRecvKernel<<<recv_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
   return cudaGetLastError();
 }
 

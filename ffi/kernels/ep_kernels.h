@@ -21,6 +21,16 @@
 
 namespace jax_ep {
 
+// Diagnostics for performance work only (wrong results when set): bit mask of
+// phases to skip, from JAX_EP_DIAG_SKIP (1 dispatch push, 2 dispatch receive,
+// 4 combine push, 8 combine reduce). Barriers always run, so both ranks stay
+// in step. Read once per process.
+int DiagSkipMask();
+// JAX_EP_LOCAL_SMS: CTAs for the phases that only copy within this GPU
+// (dispatch receive, combine reduce); 0 = the bandwidth model's choice.
+int LocalPhaseBlocks(int model_choice);
+
+
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
 

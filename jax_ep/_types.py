@@ -68,3 +68,16 @@ class LowLatencyDispatchOutput(NamedTuple):
   recv_x: Any         # [E_l, R * max_tokens, H] (or (q, scales [E_l, R*max_tokens, H//128]))
   recv_count: Array   # [E_l] i32
   handle: LowLatencyHandle
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pending:
+  """State between a *_start and its *_done / *_wait: the arrays in flight
+  and the static configuration, so that the second half needs nothing else."""
+  arrays: Any
+  op: str = dataclasses.field(metadata=dict(static=True), default="")
+  axis_name: str = dataclasses.field(metadata=dict(static=True), default="ep")
+  num_experts: int = dataclasses.field(metadata=dict(static=True), default=0)
+  max_tokens: int = dataclasses.field(metadata=dict(static=True), default=0)
+  rows_per_rank: int = dataclasses.field(metadata=dict(static=True), default=0)

@@ -21,7 +21,7 @@ from jax import lax
 from jax_ep import fp8 as _fp8
 from jax_ep._checks import is_fp8_pair, raise_if
 from jax_ep._types import (DispatchHandle, DispatchOutput, Layout, LowLatencyDispatchOutput,
-                           LowLatencyHandle)
+                           LowLatencyHandle, Pending)
 
 Array = jax.Array
 
@@ -301,12 +301,14 @@ def low_latency_dispatch_start(x: Array, topk_idx: Array, *, num_experts: int, m
   _check_ids("low_latency_dispatch", topk_idx, num_experts, axis_name)
   if fp8:
     x = _fp8.quantize(x, ue8m0=ue8m0)
-  return (_map_payload(lambda a: _gather(a, axis_name), x), _gather(topk_idx, axis_name))
+  return Pending((_map_payload(lambda a: _gather(a, axis_name), x), _gather(topk_idx, axis_name)),
+                 op="low_latency_dispatch", axis_name=axis_name, num_experts=num_experts,
+                 max_tokens=max_tokens)
 
 
-def low_latency_dispatch_done(pending, *, num_experts: int, max_tokens: int,
-                              axis_name: str) -> LowLatencyDispatchOutput:
-  xs, idx_all = pending
+def low_latency_dispatch_done(pending: Pending) -> LowLatencyDispatchOutput:
+  xs, idx_all = pending.arrays
+  num_experts, max_tokens, axis_name = pending.num_experts, pending.max_tokens, pending.axis_name
   num_ranks, t, k = idx_all.shape
   r = lax.axis_index(axis_name)
   e_l = num_experts // num_ranks
@@ -346,11 +348,13 @@ def low_latency_combine_start(y: Array, topk_idx: Array, topk_weights: Array, h:
   entry = h.src_entry.reshape(-1)
   slot = jnp.where(entry >= 0, entry, num_ranks * t * k)
   back = jnp.zeros((num_ranks * t * k, d), y.dtype).at[slot].set(y.reshape(-1, d), mode="drop")
-  return (_exchange(back.reshape(num_ranks, t, k, d), axis_name), topk_idx, topk_weights)
+  return Pending((_exchange(back.reshape(num_ranks, t, k, d), axis_name), topk_idx, topk_weights),
+                 op="low_latency_combine", axis_name=axis_name, num_experts=h.num_experts)
 
 
-def low_latency_combine_done(pending, *, num_experts: int, axis_name: str) -> Array:
-  got, topk_idx, topk_weights = pending
+def low_latency_combine_done(pending: Pending) -> Array:
+  got, topk_idx, topk_weights = pending.arrays
+  num_experts = pending.num_experts
   num_ranks = got.shape[0]
   t, k = topk_idx.shape
   dest = jnp.maximum(_rank_of(topk_idx, num_experts, num_ranks), 0)
@@ -382,11 +386,13 @@ def engram_fetch_start(table: Array, indices: Array, *, axis_name: str,
   mine = (req >= 0) & (req // v_l == r)
   resp = _take_rows(table, jnp.where(mine, req - r * v_l, v_l).reshape(-1))
   resp = resp.reshape(*req.shape, table.shape[1])
-  return (_exchange(resp, axis_name), indices, scales, v_l)
+  return Pending((_exchange(resp, axis_name), indices, scales), op="engram_fetch",
+                 axis_name=axis_name, rows_per_rank=v_l)
 
 
-def engram_fetch_wait(pending) -> Any:
-  got, indices, scales, v_l = pending
+def engram_fetch_wait(pending: Pending) -> Any:
+  got, indices, scales = pending.arrays
+  v_l = pending.rows_per_rank
   owner = jnp.where(indices >= 0, indices // v_l, 0)
   rows = jnp.take_along_axis(got, owner[None, :, :, None], axis=0)[0]  # [T, e, D]
   if scales is None:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import reference as ref
+from jax_ep._types import Pending
 
 
 def _check(table, indices, scales, axis_name):
@@ -36,6 +37,8 @@ def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str =
 
 def engram_fetch_wait(pending: Any) -> Any:
   """Rows [T, e, D] (FP8: (rows [T, e, D], row_scales [T, e])); -1 gives zeros."""
+  if not isinstance(pending, Pending) or pending.op != "engram_fetch":
+    raise ValueError("pending must be the result of engram_fetch_start")
   return ref.engram_fetch_wait(pending)
 
 

@@ -9,8 +9,13 @@ import jax
 
 from jax_ep import reference as ref
 from jax_ep._checks import check_positive, check_routing, check_x
-from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle
+from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle, Pending
 from jax_ep.ops import _backend
+
+
+def _check_pending(pending, op: str) -> None:
+  if not isinstance(pending, Pending) or pending.op != op:
+    raise ValueError(f"pending must be the result of {op}_start")
 
 
 def _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend):
@@ -35,15 +40,14 @@ def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts
                                         ue8m0=ue8m0)
 
 
-def low_latency_dispatch_done(pending: Any, *, num_experts: int, max_tokens: int,
-                              axis_name: str = "ep") -> LowLatencyDispatchOutput:
+def low_latency_dispatch_done(pending: Pending) -> LowLatencyDispatchOutput:
   """Receives: recv_x [E_l, R * max_tokens, H] (+ scales if FP8), recv_count [E_l], handle.
 
   Rows of local expert l are packed from row 0 in (source rank, token, k)
   order; the rest are zero.
   """
-  return ref.low_latency_dispatch_done(pending, num_experts=num_experts, max_tokens=max_tokens,
-                                       axis_name=axis_name)
+  _check_pending(pending, "low_latency_dispatch")
+  return ref.low_latency_dispatch_done(pending)
 
 
 def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
@@ -57,8 +61,7 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
   """
   p = low_latency_dispatch_start(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
                                  axis_name=axis_name, fp8=fp8, ue8m0=ue8m0, backend=backend)
-  return low_latency_dispatch_done(p, num_experts=num_experts, max_tokens=max_tokens,
-                                   axis_name=axis_name)
+  return low_latency_dispatch_done(p)
 
 
 def _check_combine(y, topk_idx, topk_weights, handle, axis_name):
@@ -82,15 +85,15 @@ def low_latency_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: j
   return ref.low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
 
 
-def low_latency_combine_done(pending: Any, *, num_experts: int,
-                             axis_name: str = "ep") -> jax.Array:
+def low_latency_combine_done(pending: Pending) -> jax.Array:
   """[T, H]: sum over the token's valid (t, k) in ascending (expert, k) order of
   w[t, k] * y[row], float32, cast to y's dtype."""
-  return ref.low_latency_combine_done(pending, num_experts=num_experts, axis_name=axis_name)
+  _check_pending(pending, "low_latency_combine")
+  return ref.low_latency_combine_done(pending)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                         handle: LowLatencyHandle, *, axis_name: str = "ep") -> jax.Array:
   """Fused `low_latency_combine_start` + `low_latency_combine_done`."""
   p = low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
-  return low_latency_combine_done(p, num_experts=handle.num_experts, axis_name=axis_name)
+  return low_latency_combine_done(p)

@@ -107,6 +107,10 @@ __global__ void __launch_bounds__(kPushThreads, 1) CombinePushKernel(CombineCfg 
     }
     if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
   }
+  // As in DispatchPushKernel: the ok kernel's release does not cover this
+  // grid's weak NVLink stores, so each thread waits until its stores are
+  // performed system-wide before it exits.
+  __threadfence_system();
 }
 
 __global__ void CombineOkBarrierKernel(CombineWindow w, EpPeers p) {

@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
                       static_cast<size_t>(r) * w.counts_stride + i;
       StU64Volatile(dst, MakeTagged(s_tag, static_cast<uint32_t>(v)));
     }
+    __threadfence_system();  // each writer: its counts are visible before the barrier's release
   }
   __syncthreads();
   if (tid == 0) {
@@ -435,6 +436,12 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchPushKernel(DispatchCfg c,
       }
     }
   }
+  // The next kernel's release of the "ok" flag does not order THIS grid's
+  // weak NVLink stores: a kernel boundary only guarantees GPU-scope
+  // visibility, so a row still in flight could land after the peer passed
+  // the barrier (and after it reused that part of its window). Each thread
+  // waits for its own stores to be performed system-wide before it exits.
+  __threadfence_system();
 }
 
 // ---------------------------------------------------------------- ok + barrier

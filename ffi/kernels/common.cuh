@@ -66,6 +66,9 @@ __device__ __forceinline__ uint64_t* barrier_flags(const EpPeers& p, int rank) {
 __device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
@@ -78,13 +81,18 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
 __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
   const uint64_t e = *p.epoch + 1;
   *p.epoch = e;
+  // fence.sc.sys followed by relaxed stores is a release pattern for every
+  // flag: one MEMBAR.SYS instead of one per st.release.sys.
   __threadfence_system();
-  for (int r = 0; r < p.nranks; ++r) st_release_sys(barrier_flags(p, r) + p.rank, e);
+  for (int r = 0; r < p.nranks; ++r) st_relaxed_sys(barrier_flags(p, r) + p.rank, e);
   const uint64_t* mine = barrier_flags(p, p.rank);
   const unsigned long long t0 = globaltimer_ns();
+  // The status word is mapped host memory: one read is a PCIe round trip
+  // (~1 µs), so the spin looks at it only every 256 polls, not every poll.
+  unsigned polls = 0;
   for (int r = 0; r < p.nranks; ++r) {
     while (ld_acquire_sys(mine + r) < e) {
-      if (has_error(p)) return false;
+      if ((++polls & 255u) == 0u && has_error(p)) return false;
       if (globaltimer_ns() - t0 > p.timeout_ns) {
         report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(r));
         return false;

@@ -42,7 +42,7 @@ int EpDtypeBytes(EpDtype d) {
 
 namespace {
 
-constexpr int kPrepThreads = 512;
+constexpr int kPrepThreads = 1024;  // 32 warps: one warp per 1/32 of the tokens / entries
 constexpr int kControlThreads = 1024;   // one thread per local expert in the control kernel
 constexpr int kDataThreads = 1024;      // 32 warps: one token (row) per warp at a time
 constexpr int kCastThreads = 512;       // push kernel with the in-kernel FP8 cast
@@ -83,48 +83,103 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // Blocks [0, R): pos_in_rank[:, j] (ascending t) and tokens_per_rank[j];
 // block 0 also checks every id. Blocks [R, R+E) (expert layout): rie[t, k] =
 // rank of (t, k) among this rank's entries for expert e, in (t, k) order.
-__global__ void __launch_bounds__(kPrepThreads) DispatchPrepKernel(DispatchCfg c, DispatchWindow w,
+//
+// Each warp owns a contiguous span of tokens (rank blocks) or of flat (t, k)
+// entries (expert blocks) and walks it one item per lane, so every load is
+// coalesced (16-byte loads where the shape allows); ballots give the rank
+// inside a step, a scan of the warp totals gives each warp's start. That is
+// exactly the sequential count in ascending order the reference uses.
+constexpr int kPrepWarps = kPrepThreads / 32;
+static_assert(kPrepWarps <= 32, "one warp scans the warp totals");
+
+// Exclusive offset of this warp's total `n` (lane 0's value is used), and the
+// block total. Every thread of the block calls it.
+__device__ __forceinline__ int PrepWarpOffset(int n, int* s_warp, int* total) {
+  const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
+  if (lane == 0) s_warp[warp] = n;
+  __syncthreads();
+  if (warp == 0) {
+    int v = lane < kPrepWarps ? s_warp[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int u = __shfl_up_sync(kFullMask, v, d);
+      if (lane >= d) v += u;
+    }
+    if (lane < kPrepWarps) s_warp[lane] = v;  // inclusive
+  }
+  __syncthreads();
+  *total = s_warp[kPrepWarps - 1];
+  return warp == 0 ? 0 : s_warp[warp - 1];
+}
+
+// Does token t choose an expert in [lo, hi) (rank j's experts; that range
+// lies inside [0, E), so bad ids never count)? `bad` collects ids outside
+// [-1, E).
+__device__ __forceinline__ bool TokenInRank(const DispatchCfg& c, const int32_t* __restrict__ topk,
+                                            int t, int lo, int hi, bool vec4, bool& bad) {
+  const int32_t* row = topk + static_cast<size_t>(t) * c.K;
+  bool in = false;
+  auto one = [&](int id) {
+    bad |= id < -1 || id >= c.E;
+    in |= id >= lo && id < hi;
+  };
+  if (vec4) {
+    for (int k = 0; k < c.K; k += 4) {
+      const int4 v = __ldg(reinterpret_cast<const int4*>(row + k));
+      one(v.x);
+      one(v.y);
+      one(v.z);
+      one(v.w);
+    }
+  } else {
+    for (int k = 0; k < c.K; ++k) one(__ldg(row + k));
+  }
+  return in;
+}
+
+__global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCfg c, DispatchWindow w,
                                                                     EpPeers p,
                                                                     const int32_t* __restrict__ topk,
                                                                     int32_t* __restrict__ pos_in_rank) {
-  using Scan = cub::BlockScan<int, kPrepThreads>;
-  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int s_warp[kPrepWarps];
   __shared__ int s_bad;
   const int R = p.nranks;
   const DispatchScratch sc(R, c.E);
   int* scratch = ScratchOf(p, w);
   int* rie = reinterpret_cast<int*>(p.base[p.rank] + w.rie_off);
+  const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
+  const unsigned lt = (1u << lane) - 1u;  // lanes below this one
+  const bool aligned16 = (reinterpret_cast<uintptr_t>(topk) & 15u) == 0;
   if (threadIdx.x == 0) s_bad = 0;
   __syncthreads();
-  const int chunk = (c.T + kPrepThreads - 1) / kPrepThreads;
-  const int t0 = min(c.T, static_cast<int>(threadIdx.x) * chunk);
-  const int t1 = min(c.T, t0 + chunk);
   const int b = blockIdx.x;
   if (b < R) {
-    const int j = b;
+    const int j = b, lo = j * c.El, hi = lo + c.El;
+    const bool vec4 = aligned16 && c.K % 4 == 0;
+    const int span = ((c.T + kPrepWarps - 1) / kPrepWarps + 31) / 32 * 32;
+    const int t0 = static_cast<int>(min(static_cast<long long>(c.T), static_cast<long long>(warp) * span));
+    const int t1 = static_cast<int>(min(static_cast<long long>(c.T), static_cast<long long>(t0) + span));
+    const int steps = (t1 - t0 + 31) / 32;
     int n = 0;
     bool bad = false;
-    for (int t = t0; t < t1; ++t) {
-      bool in = false;
-      for (int k = 0; k < c.K; ++k) {
-        const int id = topk[static_cast<size_t>(t) * c.K + k];
-        if (id < -1 || id >= c.E) bad = true;
-        else if (id >= 0 && id / c.El == j) in = true;
-      }
-      n += in;
-    }
-    int off, total;
-    Scan(tmp).ExclusiveSum(n, off, total);
-    for (int t = t0; t < t1; ++t) {
-      bool in = false;
-      for (int k = 0; k < c.K; ++k) {
-        const int id = topk[static_cast<size_t>(t) * c.K + k];
-        if (id >= 0 && id < c.E && id / c.El == j) in = true;
-      }
-      pos_in_rank[static_cast<size_t>(t) * R + j] = in ? off++ : -1;
+#pragma unroll 4
+    for (int i = 0; i < steps; ++i) {
+      const int t = t0 + i * 32 + lane;
+      const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, bad);
+      n += __popc(__ballot_sync(kFullMask, in));
     }
     if (bad) atomicOr(&s_bad, 1);
-    __syncthreads();
+    int total;
+    int off = PrepWarpOffset(n, s_warp, &total);
+#pragma unroll 4
+    for (int i = 0; i < steps; ++i) {
+      const int t = t0 + i * 32 + lane;
+      bool unused = false;
+      const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, unused);
+      const unsigned m = __ballot_sync(kFullMask, in);
+      if (t < t1) pos_in_rank[static_cast<size_t>(t) * R + j] = in ? off + __popc(m & lt) : -1;
+      off += __popc(m);
+    }
     if (threadIdx.x == 0) {
       scratch[sc.tokens_per_rank + j] = total;
       if (j == 0) {
@@ -134,14 +189,61 @@ __global__ void __launch_bounds__(kPrepThreads) DispatchPrepKernel(DispatchCfg c
     }
   } else {
     const int e = b - R;
+    const int N = c.T * c.K;  // < 2^31 (ValidateDispatch)
+    // 16-byte path: lane holds entries base + 4 lane + q, q < 4; the warp
+    // span is a multiple of 128 entries and N % 4 == 0, so no load crosses
+    // the span's end.
+    const bool vec4 = aligned16 && N % 4 == 0;
+    const int per = vec4 ? 128 : 32;  // entries per warp step
+    const int span = ((N + kPrepWarps - 1) / kPrepWarps + per - 1) / per * per;
+    const int i0 = static_cast<int>(min(static_cast<long long>(N), static_cast<long long>(warp) * span));
+    const int i1 = static_cast<int>(min(static_cast<long long>(N), static_cast<long long>(i0) + span));
+    const int steps = (i1 - i0 + per - 1) / per;
     int n = 0;
-    for (int t = t0; t < t1; ++t)
-      for (int k = 0; k < c.K; ++k) n += topk[static_cast<size_t>(t) * c.K + k] == e;
-    int off, total;
-    Scan(tmp).ExclusiveSum(n, off, total);
-    for (int t = t0; t < t1; ++t)
-      for (int k = 0; k < c.K; ++k)
-        if (topk[static_cast<size_t>(t) * c.K + k] == e) rie[static_cast<size_t>(t) * c.K + k] = off++;
+    if (vec4) {
+#pragma unroll 4
+      for (int s = 0; s < steps; ++s) {
+        const int i = i0 + s * 128 + 4 * lane;
+        int4 v = make_int4(-1, -1, -1, -1);
+        if (i < i1) v = __ldg(reinterpret_cast<const int4*>(topk + i));
+        n += __popc(__ballot_sync(kFullMask, v.x == e)) + __popc(__ballot_sync(kFullMask, v.y == e)) +
+             __popc(__ballot_sync(kFullMask, v.z == e)) + __popc(__ballot_sync(kFullMask, v.w == e));
+      }
+    } else {
+#pragma unroll 4
+      for (int s = 0; s < steps; ++s) {
+        const int i = i0 + s * 32 + lane;
+        n += __popc(__ballot_sync(kFullMask, i < i1 && __ldg(topk + i) == e));
+      }
+    }
+    int total;
+    int off = PrepWarpOffset(n, s_warp, &total);
+    if (vec4) {
+#pragma unroll 4
+      for (int s = 0; s < steps; ++s) {
+        const int i = i0 + s * 128 + 4 * lane;
+        int4 v = make_int4(-1, -1, -1, -1);
+        if (i < i1) v = __ldg(reinterpret_cast<const int4*>(topk + i));
+        const bool h0 = v.x == e, h1 = v.y == e, h2 = v.z == e, h3 = v.w == e;
+        const unsigned m0 = __ballot_sync(kFullMask, h0), m1 = __ballot_sync(kFullMask, h1);
+        const unsigned m2 = __ballot_sync(kFullMask, h2), m3 = __ballot_sync(kFullMask, h3);
+        int o = off + __popc(m0 & lt) + __popc(m1 & lt) + __popc(m2 & lt) + __popc(m3 & lt);
+        if (h0) rie[i] = o++;
+        if (h1) rie[i + 1] = o++;
+        if (h2) rie[i + 2] = o++;
+        if (h3) rie[i + 3] = o;
+        off += __popc(m0) + __popc(m1) + __popc(m2) + __popc(m3);
+      }
+    } else {
+#pragma unroll 4
+      for (int s = 0; s < steps; ++s) {
+        const int i = i0 + s * 32 + lane;
+        const bool h = i < i1 && __ldg(topk + i) == e;
+        const unsigned m = __ballot_sync(kFullMask, h);
+        if (h) rie[i] = off + __popc(m & lt);
+        off += __popc(m);
+      }
+    }
     if (threadIdx.x == 0) scratch[sc.entries_per_expert + e] = total;
   }
 }
@@ -157,6 +259,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   using Scan = cub::BlockScan<int, kControlThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int s_fail;
+  __shared__ int s_err;
   __shared__ int s_total;
   __shared__ unsigned s_badpeer;
   __shared__ unsigned long long s_tag;
@@ -167,13 +270,18 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   const int nslots = c.expert ? w.counts_stride : 2;
   const int tid = threadIdx.x;
 
+  // The status word is mapped host memory (a PCIe round trip): another warp
+  // reads it while thread 0 is in the start barrier, instead of before it.
+  if (tid == 32) s_err = has_error(p);
   if (tid == 0) {
-    bool fail = has_error(p) || scratch[DispatchScratch::kBadIds] != 0;
+    bool fail = scratch[DispatchScratch::kBadIds] != 0;
     if (!rank_barrier(p, Op::kDispatch)) fail = true;
     s_fail = fail;
     s_tag = *p.epoch;
     s_badpeer = 0;
   }
+  __syncthreads();
+  if (tid == 0 && s_err) s_fail = 1;
   __syncthreads();
   if (!s_fail) {
     for (int idx = tid; idx < R * nslots; idx += blockDim.x) {
@@ -445,9 +553,13 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchPushKernel(DispatchCfg c,
 }
 
 // ---------------------------------------------------------------- ok + barrier
+// kOk already folds in every error this rank's dispatch can report (the
+// control kernel read the status word and set it after its barriers; the push
+// kernel reports nothing), and "ok" only says this rank's pushes are complete,
+// so the status word (a PCIe round trip) is not read again here.
 __global__ void DispatchOkBarrierKernel(DispatchWindow w, EpPeers p) {
   if (threadIdx.x != 0) return;
-  const bool ok = ScratchOf(p, w)[DispatchScratch::kOk] != 0 && !has_error(p);
+  const bool ok = ScratchOf(p, w)[DispatchScratch::kOk] != 0;
   PublishOkAndBarrier(p, w.ok_off, ok, Op::kDispatch);
 }
 

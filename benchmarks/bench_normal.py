@@ -414,6 +414,8 @@ def main(argv=None) -> int:
     for t in toks:
       print(f"tokens/rank = {t}", flush=True)
       impls = ["jax_ep", "reference", "jax_all_to_all"] + ([] if t > 4096 else ["jax_capacity_all_to_all"])
+      if args.impls:
+        impls = args.impls.split(",")
       records += run(Shape(tokens=t), quick=True, impls=impls)
   else:
     t = args.tokens or (1024 if args.quick else 4096)

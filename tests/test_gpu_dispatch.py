@@ -111,6 +111,7 @@ CASES = [
     (127, 2048, 8, 64, "bfloat16", "empty_rank"),
     (4096, 7168, 8, 256, "bfloat16", "random"),
     (4096, 2048, 1, 8, "float32", "skewed"),
+    (128, 512, 8, 64, "bfloat16", "random"),
     (127, 2048, 8, 256, "fp8_pair", "random"),
     (4096, 7168, 8, 256, "fp8_pair", "random"),
 ]

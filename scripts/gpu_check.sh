@@ -75,6 +75,16 @@ PYEOF
 )
 fi
 
+note "main job (demo on the GPUs)"
+demo="not run"
+if [ "$build" = ok ]; then
+  if timeout 300 "$PY" -m jax_ep.demo --steps 5 >"$LOGS/demo.log" 2>&1; then
+    demo="ok: $(tail -1 "$LOGS/demo.log")"
+  else
+    demo="FAIL"; status=1; tail -20 "$LOGS/demo.log"
+  fi
+fi
+
 note "benchmarks"
 for b in benchmarks/bench_*.py; do
   [ -e "$b" ] || continue
@@ -102,6 +112,7 @@ fi
   printf '%-12s %s\n' "build" "$build"
   printf '%-12s %s\n' "versions" "$versions"
   printf '%-12s %s\n' "gpu tests" "$tests"
+  printf '%-12s %s\n' "demo" "$demo"
   printf '%-12s %s\n' "benchmarks" "$bench_ran run; failed:${bench_failed:- none}"
   "$PY" - "$BENCH" <<'PYEOF'
 import json, pathlib, sys

@@ -51,6 +51,10 @@ class Shape:
 # ---------------------------------------------------------------- helpers
 
 def _commit() -> str:
+  # The device machine gets a copy of the tree without .git: the caller
+  # passes the commit (scripts/gpu_check.sh: JAX_EP_COMMIT).
+  if os.environ.get("JAX_EP_COMMIT"):
+    return os.environ["JAX_EP_COMMIT"]
   try:
     return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                    stderr=subprocess.DEVNULL).decode().strip()

@@ -3,6 +3,8 @@
 # versions, run the GPU tests, run every benchmark, print a summary.
 #
 #   OUT=/some/dir scripts/gpu_check.sh      (PYTHON=python3 by default)
+#   JAX_EP_COMMIT=<sha> labels the benchmark records (the tree copied to the
+#   device machine has no .git; run it as JAX_EP_COMMIT=$(git rev-parse --short HEAD) ...)
 #
 # $OUT receives at most 8 files: summary.txt, junit.xml, logs.tar.gz,
 # bench.tar.gz and up to 4 benchmark JSON files. Exit status is non-zero if

@@ -167,3 +167,20 @@ def pytest_terminal_summary(terminalreporter):
     if oracle.EXACT_MATCH_TALLY:
         tally = ", ".join(f"{k}: {v}" for k, v in sorted(oracle.EXACT_MATCH_TALLY.items()))
         terminalreporter.write_line(f"[jax_ep] fixed-order f32 sums matched the oracle as: {tally}")
+
+
+@pytest.fixture(scope="module")
+def gpu_comm(request):
+    """A Communicator over the first 2 GPUs for a GPU test module (window bytes
+    from the module's COMM_BYTES, default 64 MiB); skips without 2 GPUs."""
+    from jax_ep import _native
+    if not _native.cuda_available():
+        pytest.skip("needs jax_ep's CUDA build and GPUs")
+    devs = jax.devices("cuda")
+    if len(devs) < 2:
+        pytest.skip("needs 2 GPUs")
+    from jax_ep.comm import Communicator
+    mesh = jax.sharding.Mesh(np.array(devs[:2]), (AXIS,))
+    c = Communicator.create(mesh, AXIS, getattr(request.module, "COMM_BYTES", 64 << 20))
+    yield c
+    c.close()

@@ -199,11 +199,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchExecute, jax_ep::DispatchExecute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jax_ep::CommState>>()
-                                  .Attr<int64_t>("comm_id")
+                              jax_ep::BindEpExecute()
                                   .Attr<int32_t>("num_experts")
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("expert_alignment")
@@ -226,11 +222,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchExecute, jax_ep::DispatchExecute,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineExecute, jax_ep::CombineExecute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jax_ep::CommState>>()
-                                  .Attr<int64_t>("comm_id")
+                              jax_ep::BindEpExecute()
                                   .Attr<int32_t>("num_experts")
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("has_weights")

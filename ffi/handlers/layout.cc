@@ -74,11 +74,7 @@ ffi::Error DispatchLayoutExecute(cudaStream_t stream, int32_t device_ordinal, Co
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchLayoutExecute, jax_ep::DispatchLayoutExecute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jax_ep::CommState>>()
-                                  .Attr<int64_t>("comm_id")
+                              jax_ep::BindEpExecute()
                                   .Attr<int32_t>("num_experts")
                                   .Attr<int32_t>("num_ranks")
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

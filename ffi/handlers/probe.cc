@@ -50,10 +50,6 @@ ffi::Error ProbeAllToAllExecute(cudaStream_t stream, int32_t device_ordinal, Com
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpProbeAllToAllExecute, jax_ep::ProbeAllToAllExecute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jax_ep::CommState>>()
-                                  .Attr<int64_t>("comm_id")
+                              jax_ep::BindEpExecute()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>());

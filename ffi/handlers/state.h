@@ -43,6 +43,17 @@ struct DeviceLease {
 ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal,
                          const char* op, DeviceLease& lease);
 
+// The part of every execute binding that is the same for all jax_ep targets:
+// stream, device ordinal, the shared state and the `comm_id` attribute, in
+// the order the handlers take them.
+inline auto BindEpExecute() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::State<CommState>>()
+      .Attr<int64_t>("comm_id");
+}
+
 inline ffi::Error CudaError(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_ep ") + what + ": " + cudaGetErrorName(err) +
                               " (" + cudaGetErrorString(err) + ")");

@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include "ep_copy.cuh"
+#include "vec16.cuh"
 #include "ep_kernels.h"
 #include "window_layout.h"
 
@@ -117,59 +118,6 @@ __global__ void CombineOkBarrierKernel(CombineWindow w, EpPeers p) {
   if (threadIdx.x == 0) PublishOkAndBarrier(p, w.ok_off, !has_error(p), Op::kCombine);
 }
 
-template <typename TY> struct YVec;
-template <> struct YVec<__nv_bfloat16> {
-  static constexpr int N = 8;
-  __device__ __forceinline__ static void Load(const uint4& v, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 q = __bfloat1622float2(h[i]);
-      f[2 * i] = q.x;
-      f[2 * i + 1] = q.y;
-    }
-  }
-  __device__ __forceinline__ static uint4 Store(const float* f) {
-    uint4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    return v;
-  }
-};
-template <> struct YVec<__half> {
-  static constexpr int N = 8;
-  __device__ __forceinline__ static void Load(const uint4& v, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 q = __half22float2(h[i]);
-      f[2 * i] = q.x;
-      f[2 * i + 1] = q.y;
-    }
-  }
-  __device__ __forceinline__ static uint4 Store(const float* f) {
-    uint4 v;
-    __half2* h = reinterpret_cast<__half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    return v;
-  }
-};
-template <> struct YVec<float> {
-  static constexpr int N = 4;
-  __device__ __forceinline__ static void Load(const uint4& v, float* f) {
-    f[0] = __uint_as_float(v.x);
-    f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-  }
-  __device__ __forceinline__ static uint4 Store(const float* f) {
-    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
-                      __float_as_uint(f[3]));
-  }
-};
-
 // One warp per source token: list its slots in the reference order (lane i
 // holds the i-th slot), then sum them chunk by chunk.
 template <typename TY, bool kHasW>
@@ -188,7 +136,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1) CombineReduceKernel(Combine
     s_ok = ok;
   }
   __syncthreads();
-  constexpr int V = YVec<TY>::N;
+  constexpr int V = Vec16<TY>::N;
   const int lane = LaneId();
   const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
   const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
@@ -254,7 +202,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1) CombineReduceKernel(Combine
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           float f[V];
-          YVec<TY>::Load(v[u], f);
+          Vec16<TY>::ToFloat(v[u], f);
 #pragma unroll
           for (int e = 0; e < V; ++e) {
             if constexpr (kHasW) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(wt, f[e]));
@@ -265,7 +213,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1) CombineReduceKernel(Combine
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int idx = base + u * 32 + lane;
-        if (idx < nvec) StNa(out + idx, YVec<TY>::Store(acc[u]));
+        if (idx < nvec) StNa(out + idx, Vec16<TY>::FromFloat(acc[u]));
       }
     }
   }

@@ -13,6 +13,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "vec16.cuh"
+
 namespace jax_ep {
 
 constexpr int kFp8Block = 128;
@@ -38,41 +40,5 @@ __device__ __forceinline__ uint8_t Fp8Quantize(float x, float inv_s) {
   v = fminf(fmaxf(v, -kE4m3Max), kE4m3Max);
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
-
-// A 16-byte vector of input elements as floats.
-template <typename T> struct Vec16;
-template <> struct Vec16<__nv_bfloat16> {
-  static constexpr int N = 8;
-  __device__ __forceinline__ static void ToFloat(const uint4& v, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 p = __bfloat1622float2(h[i]);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-};
-template <> struct Vec16<__half> {
-  static constexpr int N = 8;
-  __device__ __forceinline__ static void ToFloat(const uint4& v, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 p = __half22float2(h[i]);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-};
-template <> struct Vec16<float> {
-  static constexpr int N = 4;
-  __device__ __forceinline__ static void ToFloat(const uint4& v, float* f) {
-    f[0] = __uint_as_float(v.x);
-    f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-  }
-};
 
 }  // namespace jax_ep

@@ -7,8 +7,10 @@ sorts and gathers (no Python loops over tokens), in exactly the row order of
 DESIGN.md §2, so the CUDA kernels can be checked against them bitwise.
 
 Combine-like reductions accumulate in float32 as `acc = acc + w * y`, one
-product and one add per row (never fused), in the fixed order: ascending
-rank of the row, then local expert, then top-k slot.
+product and one add per row, in the fixed order: ascending rank of the row,
+then local expert, then top-k slot, starting from -0.0 (tokens with no rows
+give +0.0). On GPU, XLA keeps the product and the add apart, as the kernels do
+(bitwise-checked); XLA:CPU may contract them into one fused multiply-add.
 """
 from __future__ import annotations
 

@@ -54,6 +54,16 @@ def main(argv=None) -> None:
 
   model = MoE(args.hidden, args.ffn, e, args.topk, mesh=mesh, rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
+  # Everything not already split over the mesh (router, step counts) is
+  # replicated on it up front, so the second step reuses the first's program.
+  replicated = NamedSharding(mesh, P())
+
+  def on_mesh(a):
+    if isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding):
+      return a
+    return jax.device_put(a, replicated)
+
+  nnx.update((model, opt), jax.tree.map(on_mesh, nnx.state((model, opt))))
   rng = np.random.default_rng(0)
   shard = NamedSharding(mesh, P("ep"))
   x = jax.device_put(jnp.asarray(rng.standard_normal((n, args.hidden)), jnp.float32), shard)

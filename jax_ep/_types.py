@@ -81,3 +81,6 @@ class Pending:
   num_experts: int = dataclasses.field(metadata=dict(static=True), default=0)
   max_tokens: int = dataclasses.field(metadata=dict(static=True), default=0)
   rows_per_rank: int = dataclasses.field(metadata=dict(static=True), default=0)
+  # Which implementation produced `arrays` ("reference" or "cuda"): their
+  # in-flight arrays differ, the second halves' results do not.
+  backend: str = dataclasses.field(metadata=dict(static=True), default="reference")

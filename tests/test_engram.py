@@ -146,3 +146,40 @@ def test_engram_index_out_of_range_raises_runtime_error_then_next_call_works():
             jax.block_until_ready(f(_shards(table, R), bad_idx))
         got = np.asarray(jax.block_until_ready(f(_shards(table, R), idx)))
         np.testing.assert_array_equal(got, oracle.engram_fetch(table, idx))
+
+
+def test_engram_fetch_wait_of_a_cuda_pending_returns_its_rows_and_reference_row_scales():
+    # The CUDA start leaves finished rows in the Pending; wait only adds the
+    # FP8 row scales, with the reference's expression.
+    from jax_ep._types import Pending
+
+    rng = np.random.default_rng(11500)
+    V, T, n, D = 64, 5, 3, 16
+    idx = rng.integers(-1, V, size=(T, n)).astype(np.int32)
+    rows = rng.standard_normal((T, n, D)).astype(np.float32)
+    scales = rng.uniform(0.1, 2.0, V).astype(np.float32)
+    p = Pending((jnp.asarray(rows), jnp.asarray(idx), jnp.asarray(scales)), op="engram_fetch",
+                rows_per_rank=V, backend="cuda")
+    got_rows, got_scales = jax_ep.engram_fetch_wait(p)
+    np.testing.assert_array_equal(np.asarray(got_rows), rows)
+    np.testing.assert_array_equal(np.asarray(got_scales), oracle.engram_scales(scales, idx[None])[0])
+    p = Pending((jnp.asarray(rows), jnp.asarray(idx), None), op="engram_fetch", rows_per_rank=V,
+                backend="cuda")
+    np.testing.assert_array_equal(np.asarray(jax_ep.engram_fetch_wait(p)), rows)
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "reference"])
+def test_engram_fetch_non_cuda_backends_are_the_reference(backend):
+    R, V, D, T, n = 2, 64, 32, 8, 3
+    rng = np.random.default_rng(11600)
+    table = oracle.make_x(rng, (V, D), BF16)
+    idx = _indices(rng, R, T, n, V)
+    got = run_sharded(R, lambda t, i: jax_ep.engram_fetch(t, i, backend=backend),
+                      _shards(table, R), idx)
+    np.testing.assert_array_equal(bits(got), bits(oracle.engram_fetch(table, idx)))
+
+
+def test_engram_fetch_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="backend"):
+        run_sharded(2, lambda t, i: jax_ep.engram_fetch(t, i, backend="gpu"),
+                    np.zeros((2, 4, 16), np.float32), np.zeros((2, 3, 2), np.int32))

@@ -32,7 +32,9 @@ def _export_text(f, *args) -> str:
     # jax_ep's targets make no serialization-compatibility promise; we only
     # look at the lowering here.
     checks = [jax.export.DisabledSafetyCheck.custom_call(t)
-              for t in ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all")]
+              for t in ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all",
+                        "jax_ep_engram_publish", "jax_ep_engram_fetch",
+                        "jax_ep_engram_publish_fetch")]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
     return exp.mlir_module()
 
@@ -106,3 +108,109 @@ def test_communicator_create_rejects_cpu_mesh_and_missing_axis():
         Communicator.create(mesh, "nope")
     with pytest.raises(ValueError, match="GPUs"):
         Communicator.create(mesh, "ep")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_engram_publish_and_fetch_lower_to_two_custom_calls_ordered_by_the_token(dtype):
+  from jax_ep import _ffi_engram
+
+  R, VL, D, T, E = 2, 1000, 128, 16, 3
+  mesh = _mesh(R)
+
+  def per_rank(table, idx):
+    token = _ffi_engram.publish_cuda(table, comm_id=COMM_ID, reserved_bytes=12345)
+    rows = _ffi_engram.fetch_cuda(token, idx.reshape(T, E), rows_per_rank=VL, dim=D,
+                                  dtype=dtype, comm_id=COMM_ID, reserved_bytes=12345)
+    return rows.reshape(1, T, E, D)
+
+  f = _shard_map(per_rank, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+  text = _export_text(f, jax.ShapeDtypeStruct((R * VL, D), dtype),
+                      jax.ShapeDtypeStruct((R, T * E), jnp.int32))
+  pub = _custom_calls(text, "jax_ep_engram_publish")
+  fetch = _custom_calls(text, "jax_ep_engram_fetch")
+  assert len(pub) == 1 and len(fetch) == 1, text
+  assert re.search(rf"comm_id = {COMM_ID} : i64", pub[0]) and "reserved_bytes = 12345 : i64" in pub[0]
+  assert re.search(rf"rows_per_rank = {VL} : i64", fetch[0]), fetch[0]
+  assert "reserved_bytes = 12345 : i64" in fetch[0], fetch[0]
+  # The fetch consumes the publish's token: XLA cannot reorder them.
+  token = re.match(r"\s*(%\S+)", pub[0]).group(1)
+  assert token in fetch[0].split("(", 1)[1], (pub[0], fetch[0])
+  elt = "bf16" if dtype == jnp.bfloat16 else "f8E4M3FN"
+  assert f"tensor<{T}x{E}x{D}x{elt}>" in fetch[0], fetch[0]
+
+
+def test_engram_fused_publish_fetch_lowers_to_one_custom_call():
+  from jax_ep import _ffi_engram
+
+  R, VL, D, T, E = 2, 64, 128, 8, 2
+  mesh = _mesh(R)
+
+  def per_rank(table, idx):
+    return _ffi_engram.publish_and_fetch(table, idx.reshape(T, E), comm_id=COMM_ID,
+                                         num_sms=7).reshape(1, T, E, D)
+
+  f = _shard_map(per_rank, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+  text = _export_text(f, jax.ShapeDtypeStruct((R * VL, D), jnp.float32),
+                      jax.ShapeDtypeStruct((R, T * E), jnp.int32))
+  calls = _custom_calls(text, "jax_ep_engram_publish_fetch")
+  assert len(calls) == 1, text
+  assert "num_sms = 7 : i32" in calls[0] and f"tensor<{T}x{E}x{D}xf32>" in calls[0], calls[0]
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "reference", "cuda"])
+def test_public_engram_uses_kernels_only_with_explicit_cuda_backend(monkeypatch, backend):
+  import jax_ep
+  from jax_ep.ops import _backend
+
+  class _Comm:
+    comm_id = COMM_ID
+
+  # A Communicator "exists": auto would pick the kernels for other ops.
+  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
+  # The reference's index check is a host callback, which cannot be lowered
+  # for CUDA on a machine without one; it is not what this test looks at.
+  from jax_ep import reference
+  monkeypatch.setattr(reference, "raise_if", lambda *a, **k: None)
+  R, VL, D, T, E = 2, 64, 128, 8, 2
+  mesh = _mesh(R)
+
+  def per_rank(table, idx):
+    return jax_ep.engram_fetch(table, idx.reshape(T, E), axis_name="ep",
+                               backend=backend).reshape(1, T, E, D)
+
+  f = _shard_map(per_rank, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+  text = _export_text(f, jax.ShapeDtypeStruct((R * VL, D), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((R, T * E), jnp.int32))
+  n = len(_custom_calls(text, "jax_ep_engram_publish_fetch"))
+  assert n == (1 if backend == "cuda" else 0), text
+
+
+def test_engram_cuda_backend_without_communicator_raises():
+  import jax_ep
+
+  mesh = _mesh(2)
+  f = _shard_map(lambda t, i: jax_ep.engram_fetch(t, i.reshape(4, 2), backend="cuda")[None],
+                 mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+  with pytest.raises(ValueError, match="Communicator"):
+    jax.jit(f).lower(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))
+
+
+def test_engram_cuda_backend_rejects_rows_not_a_multiple_of_16_bytes():
+  import jax_ep
+
+  mesh = _mesh(2)
+  f = _shard_map(lambda t, i: jax_ep.engram_fetch(t, i.reshape(4, 2), backend="cuda")[None],
+                 mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    jax.jit(f).lower(jnp.zeros((16, 4), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))
+
+
+def test_engram_window_bytes_needed_places_table_above_reserved_area():
+  from jax_ep import _ffi_engram
+
+  need = _ffi_engram.window_bytes_needed(rows_per_rank=524288, dim=128, dtype=jnp.bfloat16,
+                                         reserved_bytes=1000)
+  assert need == 4096 + 524288 * 256
+  need = _ffi_engram.window_bytes_needed(rows_per_rank=10, dim=128, dtype=jnp.float8_e4m3fn,
+                                         reserved_bytes=5000)
+  assert need == 5120 + 10 * 128

@@ -22,6 +22,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchLayoutExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpProbeAllToAllExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramFetchExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
 
 namespace jax_ep {
 
@@ -211,6 +214,9 @@ void RegisterCudaBindings(nb::module_& m) {
     d["jax_ep_probe_all_to_all"] = Bundle(JaxEpProbeAllToAllExecute);
     d["jax_ep_dispatch"] = Bundle(JaxEpDispatchExecute);
     d["jax_ep_combine"] = Bundle(JaxEpCombineExecute);
+    d["jax_ep_engram_publish"] = Bundle(JaxEpEngramPublishExecute);
+    d["jax_ep_engram_fetch"] = Bundle(JaxEpEngramFetchExecute);
+    d["jax_ep_engram_publish_fetch"] = Bundle(JaxEpEngramPublishFetchExecute);
     return d;
   }, "FFI targets: name -> {'instantiate': capsule, 'execute': capsule}.");
 

@@ -1,0 +1,227 @@
+"""DESIGN §6 "Engram" benchmark: remote-row lookups at EP=2 on one host.
+
+524288 rows/rank of D=128 (bf16, and FP8 e4m3 payload with replicated f32
+row scales), 512 tokens x 24 rows per rank, indices uniform over the global
+table (no -1: never time zeros). Measured in the same process run:
+  jax_ep          engram_fetch(backend="cuda"): publish (barrier, 128 MiB /
+                  64 MiB local copy into the window, barrier) + NVLink fetch,
+                  i.e. what one call of the public op costs
+  jax_ep_fetch    the fetch kernel alone, on a table published once before
+                  timing (the inference case: publish once, fetch many times)
+  jax_ep_publish  the publish alone
+  reference       engram_fetch(backend="reference"): request/response
+                  lax.all_to_all of ids and rows (the JAX-native baseline)
+  copy_engine     bidirectional 256 MB cudaMemcpyPeerAsync (cupy), the ceiling
+
+Per rank: `nvlink_gbps` counts the bytes of the rows owned by the other rank
+(the bytes that must cross NVLink), `logical_gbps` all fetched row bytes,
+`mrows_per_s` fetched rows (T * e) per second. Times: medians over repeats of
+a jitted step running the op `iters` times back-to-back, every call's output
+returned and its inputs passed through lax.optimization_barrier
+(bench_normal._time_step), divided by `iters`.
+
+  python benchmarks/bench_engram.py [--quick] [--out DIR]
+
+Exits 2 (measuring nothing, writing nothing) without 2 GPUs or the CUDA build.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "engram.json")
+sys.path.insert(0, HERE)
+
+
+@dataclasses.dataclass
+class Shape:
+  rows_per_rank: int = 524288
+  dim: int = 128
+  tokens: int = 512
+  rows_per_token: int = 24
+  ranks: int = 2
+
+
+def _tables(shape: Shape, mesh):
+  """Global [R*VL, D] bf16 table and its FP8 form (q, scales [V]), on device."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  v = shape.ranks * shape.rows_per_rank
+  sh = NamedSharding(mesh, P("ep"))
+
+  @functools.partial(jax.jit, out_shardings=(sh, sh, NamedSharding(mesh, P())))
+  def make(key):
+    x = jax.random.normal(key, (v, shape.dim), jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), 1e-6)
+    s = amax / 448.0
+    q = (x / s[:, None]).astype(jnp.float8_e4m3fn)
+    return x.astype(jnp.bfloat16), q, s
+
+  return make(jax.random.PRNGKey(0))
+
+
+def _indices(shape: Shape) -> np.ndarray:
+  rng = np.random.default_rng(0)
+  v = shape.ranks * shape.rows_per_rank
+  return rng.integers(0, v, size=(shape.ranks * shape.tokens, shape.rows_per_token)).astype(np.int32)
+
+
+def _bytes(idx: np.ndarray, shape: Shape, row_bytes: int) -> tuple[float, float, float]:
+  """(NVLink bytes, logical bytes, rows) per rank, averaged over ranks."""
+  nv, lg, rows = [], [], []
+  for r in range(shape.ranks):
+    ids = idx[r * shape.tokens:(r + 1) * shape.tokens]
+    valid = ids >= 0
+    remote = valid & (ids // shape.rows_per_rank != r)
+    nv.append(remote.sum() * row_bytes)
+    lg.append(valid.sum() * row_bytes)
+    rows.append(valid.sum())
+  return float(np.mean(nv)), float(np.mean(lg)), float(np.mean(rows))
+
+
+def run(shape: Shape, *, quick: bool) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import jax_ep
+  from jax_ep import _ffi_engram
+  from bench_normal import _adaptive_iters, _time_step
+
+  devices = jax.devices()[:shape.ranks]
+  mesh = Mesh(np.array(devices), ("ep",))
+  smap = functools.partial(jax_ep.shard_map, mesh=mesh)
+  table, q, scales = _tables(shape, mesh)
+  scales_rep = jax.device_put(jnp.tile(scales, shape.ranks), NamedSharding(mesh, P("ep")))
+  idx_np = _indices(shape)
+  idx = jax.device_put(idx_np, NamedSharding(mesh, P("ep")))
+  d = shape.dim
+  results: list[dict] = []
+
+  def record(impl, dtype, t, row_bytes, nsms=None):
+    nv, lg, rows = _bytes(idx_np, shape, row_bytes)
+    results.append(dict(bench="engram_fetch", impl=impl, dtype=dtype,
+                        tokens_per_rank=shape.tokens, hidden=d, topk=shape.rows_per_token,
+                        experts=None, rows_per_rank=shape.rows_per_rank, ranks=shape.ranks,
+                        time_us=t * 1e6, nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
+                        mrows_per_s=rows / t / 1e6, sms=nsms))
+
+  def bench(impl, dtype, fn, args, row_bytes, nsms=None):
+    try:
+      iters, reps = _adaptive_iters(fn, args, quick)
+      t = _time_step(fn, args, iters=iters, repeats=reps)
+    except Exception as e:  # noqa: BLE001 - a failing impl must not hide the others
+      print(f"  engram_fetch/{impl}/{dtype}: FAILED: {type(e).__name__}: {str(e)[:400]}",
+            file=sys.stderr)
+      return
+    record(impl, dtype, t, row_bytes, nsms)
+    print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
+
+  num_bytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=d,
+                                              dtype=jnp.bfloat16) + (8 << 20)
+  comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=num_bytes)
+  cid = comm.comm_id
+  try:
+    for dtype, tab, row_bytes in (("bf16", table, d * 2), ("fp8", q, d)):
+      fp8 = dtype == "fp8"
+      for impl, backend in (("jax_ep", "cuda"), ("reference", "reference")):
+        if fp8:
+          f = smap(lambda t, i, s, b=backend: jax_ep.engram_fetch(t, i, scales=s, backend=b))
+          args = (tab, idx, scales_rep)
+        else:
+          f = smap(lambda t, i, b=backend: jax_ep.engram_fetch(t, i, backend=b))
+          args = (tab, idx)
+        bench(impl, dtype, f, args, row_bytes, None)
+
+      # Publish once, then time the fetch kernel alone (+ the FP8 scale gather).
+      pub = jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))
+      token = jax.block_until_ready(pub(tab))
+
+      def fetch_only(tok, i, *s, vl=shape.rows_per_rank, dt=tab.dtype):
+        rows = _ffi_engram.fetch_cuda(tok, i, rows_per_rank=vl, dim=d, dtype=dt, comm_id=cid)
+        if not s:
+          return rows
+        sc = s[0]
+        return rows, jnp.where(i >= 0, sc[jnp.maximum(i, 0)], 0).astype(sc.dtype)
+
+      bench("jax_ep_fetch", dtype, smap(fetch_only),
+            (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None)
+      bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
+            (tab,), row_bytes, None)
+      comm.check()
+  finally:
+    comm.close()
+  return results
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
+  ap.add_argument("--quick", action="store_true", help="fewer iterations")
+  args = ap.parse_args(argv)
+  try:
+    import jax
+  except ImportError:
+    print("bench_engram: jax is not installed", file=sys.stderr)
+    return 2
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    gpus = []
+  if len(gpus) < 2:
+    print(f"bench_engram: needs 2 GPUs visible to JAX, found {len(gpus)} "
+          f"(backend: {jax.default_backend()}); nothing measured.", file=sys.stderr)
+    return 2
+  import jax_ep
+  if not jax_ep.cuda_available():
+    print("bench_engram: jax_ep was built without CUDA (pip install -e . with nvcc + NCCL)",
+          file=sys.stderr)
+    return 2
+  from bench_normal import _commit, _machine, copy_engine_gbps
+
+  machine = _machine(gpus[:2])
+  ce, ce_note = copy_engine_gbps(gpus[:2])
+  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  records = run(Shape(), quick=args.quick)
+  if not records:
+    print("bench_engram: every implementation failed; nothing written", file=sys.stderr)
+    return 1
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  commit = _commit()
+  for r in records:
+    r["ratio_to_copy_engine"] = r["nvlink_gbps"] / ce if r.get("nvlink_gbps") else None
+    r.update(machine=machine, date=date, commit=commit)
+  records.append(dict(bench="copy_engine", impl="copy_engine", dtype="u8", tokens_per_rank=None,
+                      hidden=None, topk=None, experts=None, ranks=2, time_us=None,
+                      nvlink_gbps=ce, logical_gbps=None, sms=None, ratio_to_copy_engine=1.0,
+                      machine=machine, date=date, commit=commit, note=ce_note))
+  os.makedirs(args.out, exist_ok=True)
+  out = os.path.join(args.out, "engram.json")
+  with open(out, "w") as f:
+    json.dump(records, f, indent=1)
+  if os.path.abspath(out) != os.path.abspath(RESULTS):
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+      json.dump(records, f, indent=1)
+  hdr = f"{'impl':16s} {'dtype':5s} {'time_us':>10s} {'nvlink':>8s} {'logical':>8s} {'Mrows/s':>9s} {'x_ce':>6s}"
+  print(hdr + "\n" + "-" * len(hdr))
+  for r in records:
+    if r["bench"] != "engram_fetch":
+      continue
+    print(f"{r['impl']:16s} {r['dtype']:5s} {r['time_us']:10.1f} {r['nvlink_gbps']:8.1f} "
+          f"{r['logical_gbps']:8.1f} {r['mrows_per_s']:9.1f} {r['ratio_to_copy_engine']:6.2f}")
+  print(f"json: {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,236 @@
+// FFI targets "jax_ep_engram_publish" and "jax_ep_engram_fetch" (execute
+// stage; instantiate is the shared one in bindings.cc). Mirrored by
+// jax_ep/_ffi_engram.py. Window layout: kernels/engram_layout.h.
+//
+// jax_ep_engram_publish
+//   attrs: comm_id i64, reserved_bytes i64 (window bytes from the base that
+//          the normal ops of the same program need; the table goes above)
+//   args:  table [V/R, D] bf16/f16/f32/f8e4m3fn (this rank's shard)
+//   rets:  token s32 [1] (1 = published; feed it to fetch so XLA orders them)
+// jax_ep_engram_fetch
+//   attrs: comm_id i64, rows_per_rank i64 (V/R), reserved_bytes i64 (as for
+//          the publish), num_sms i32 (0 = model)
+//   args:  token s32 [1], indices s32 [T, e] (global row ids in [-1, V))
+//   rets:  rows [T, e, D] of the published table's dtype
+// jax_ep_engram_publish_fetch (both in one call: what the public op uses)
+//   attrs: comm_id i64, reserved_bytes i64, num_sms i32
+//   args:  table [V/R, D], indices s32 [T, e]
+//   rets:  rows [T, e, D] of table's dtype
+//
+// Why the fused target: XLA orders a fetch after the publish whose token it
+// takes, but nothing orders a second publish after the first table's fetches
+// (no data dependence), so two publish/fetch pairs in one program could run
+// as publish A, publish B, fetch A. One custom call per lookup cannot be
+// split that way. The two-target form is for "publish once, fetch many";
+// its caller must make any later publish depend on the fetches' outputs.
+#include <cstdint>
+#include <string>
+
+#include "handlers/state.h"
+#include "kernels/engram.cuh"
+#include "kernels/engram_layout.h"
+
+namespace jax_ep {
+namespace {
+
+ffi::Error Invalid(const char* op, const std::string& msg) {
+  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + msg);
+}
+
+bool TableDtype(ffi::DataType t) {
+  return t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32 ||
+         t == ffi::DataType::F8E4M3FN;
+}
+
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// The same placement check for both targets (they must agree on table_off).
+ffi::Error PlaceTable(const char* op, const DeviceResources& dev, int64_t rows_per_rank,
+                      size_t row_bytes, int64_t reserved_bytes, EngramWindow* w) {
+  if (reserved_bytes < 0) return Invalid(op, "reserved_bytes must be >= 0");
+  *w = EngramWindow(dev.window_bytes, rows_per_rank, row_bytes, static_cast<size_t>(reserved_bytes));
+  if (!w->fits) {
+    return Invalid(op, "the symmetric window is too small for the Engram table: it needs " +
+                           std::to_string(w->need) + " bytes (" + std::to_string(w->table_bytes) +
+                           " for the table shard [" + std::to_string(rows_per_rank) + " rows x " +
+                           std::to_string(row_bytes) + " bytes] placed at the end of the window, "
+                           "above " + std::to_string(w->need - w->table_bytes) +
+                           " bytes for the runtime header and reserved_bytes=" +
+                           std::to_string(reserved_bytes) + " of dispatch/combine) but the "
+                           "Communicator has " + std::to_string(dev.window_bytes) +
+                           "; create it with num_bytes >= " + std::to_string(w->need));
+  }
+  return ffi::Error::Success();
+}
+
+// Checks `table` and fills the publish launch (except the token).
+ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBuffer& table,
+                          int64_t reserved_bytes, EngramPublishArgs* a, size_t* row_bytes_out) {
+  const auto td = table.dimensions();
+  if (td.size() != 2) return Invalid(op, "table must be the local shard [V/R, D], got " + Dims(td));
+  if (!TableDtype(table.element_type()))
+    return Invalid(op, "table dtype must be bf16, f16, f32 or float8_e4m3fn");
+  if (td[0] < 1) return Invalid(op, "table must have at least one row");
+  const size_t row_bytes = static_cast<size_t>(td[1]) * ffi::ByteWidth(table.element_type());
+  if (row_bytes == 0 || row_bytes % 16 != 0)
+    return Invalid(op, "row bytes (D * dtype bytes = " + std::to_string(row_bytes) +
+                           ") must be a positive multiple of 16");
+  EngramWindow w(0, 0, 0, 0);
+  if (ffi::Error err = PlaceTable(op, dev, td[0], row_bytes, reserved_bytes, &w); err.failure()) {
+    return err;
+  }
+  a->table = table.untyped_data();
+  a->table_bytes = w.table_bytes;
+  a->table_off = w.table_off;
+  *row_bytes_out = row_bytes;
+  return ffi::Error::Success();
+}
+
+// Checks indices / rows and fills the fetch launch.
+ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<ffi::S32>& indices,
+                        ffi::Result<ffi::AnyBuffer>& rows, int64_t rows_per_rank,
+                        int64_t reserved_bytes, int32_t num_sms, EngramFetchArgs* a) {
+  const auto id = indices.dimensions();
+  const auto od = rows->dimensions();
+  if (id.size() != 2) return Invalid(op, "indices must be [T, e], got " + Dims(id));
+  if (od.size() != 3 || od[0] != id[0] || od[1] != id[1])
+    return Invalid(op, "rows must be [T, e, D] with [T, e] = indices' shape, got " + Dims(od));
+  if (!TableDtype(rows->element_type()))
+    return Invalid(op, "rows dtype must be bf16, f16, f32 or float8_e4m3fn");
+  if (rows_per_rank < 1) return Invalid(op, "rows_per_rank must be >= 1");
+  const int64_t R = dev.nranks > 0 ? dev.nranks : 1;
+  if (rows_per_rank > (int64_t{1} << 31) / R)
+    return Invalid(op, "V = rows_per_rank * R must fit in int32 indices");
+  const size_t row_bytes = static_cast<size_t>(od[2]) * ffi::ByteWidth(rows->element_type());
+  if (row_bytes == 0 || row_bytes % 16 != 0)
+    return Invalid(op, "row bytes (D * dtype bytes = " + std::to_string(row_bytes) +
+                           ") must be a positive multiple of 16");
+  const int64_t n = id[0] * id[1];
+  if (n > 0 && static_cast<uint64_t>(n) * row_bytes >= (uint64_t{1} << 31))
+    return Invalid(op, "T * e * row bytes must be < 2^31 (split the lookup)");
+  EngramWindow w(0, 0, 0, 0);
+  if (ffi::Error err = PlaceTable(op, dev, rows_per_rank, row_bytes, reserved_bytes, &w);
+      err.failure()) {
+    return err;
+  }
+  a->indices = indices.typed_data();
+  a->num_rows = n;
+  a->rows_per_rank = rows_per_rank;
+  a->row_bytes = row_bytes;
+  a->table_off = w.table_off;
+  a->out = rows->untyped_data();
+  a->num_sms = num_sms;
+  return ffi::Error::Success();
+}
+
+ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
+                                int64_t comm_id, int64_t reserved_bytes, ffi::AnyBuffer table,
+                                ffi::Result<ffi::Buffer<ffi::S32>> token) {
+  constexpr const char* kOp = "engram_publish";
+  DeviceLease lease;
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+    return err;
+  }
+  if (token->element_count() != 1) return Invalid(kOp, "token must be s32 [1]");
+  EngramPublishArgs a;
+  size_t row_bytes = 0;
+  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, &a, &row_bytes);
+      err.failure()) {
+    return err;
+  }
+  a.token = token->typed_data();
+  if (cudaError_t err = LaunchEngramPublish(a, lease.dev->peers(), stream); err != cudaSuccess) {
+    return CudaError(err, "engram_publish launch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
+                              int64_t comm_id, int64_t rows_per_rank, int64_t reserved_bytes,
+                              int32_t num_sms, ffi::Buffer<ffi::S32> token,
+                              ffi::Buffer<ffi::S32> indices, ffi::Result<ffi::AnyBuffer> rows) {
+  constexpr const char* kOp = "engram_fetch";
+  DeviceLease lease;
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+    return err;
+  }
+  if (token.element_count() != 1) return Invalid(kOp, "token must be the s32 [1] of engram_publish");
+  EngramFetchArgs a;
+  if (ffi::Error err = PrepareFetch(kOp, *lease.dev, indices, rows, rows_per_rank, reserved_bytes,
+                                    num_sms, &a);
+      err.failure()) {
+    return err;
+  }
+  if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream); err != cudaSuccess) {
+    return CudaError(err, "engram_fetch launch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
+                                    int64_t comm_id, int64_t reserved_bytes, int32_t num_sms,
+                                    ffi::AnyBuffer table, ffi::Buffer<ffi::S32> indices,
+                                    ffi::Result<ffi::AnyBuffer> rows) {
+  constexpr const char* kOp = "engram_fetch";
+  DeviceLease lease;
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+    return err;
+  }
+  if (rows->element_type() != table.element_type())
+    return Invalid(kOp, "rows must have the table's dtype");
+  if (rows->dimensions().size() == 3 && table.dimensions().size() == 2 &&
+      rows->dimensions()[2] != table.dimensions()[1])
+    return Invalid(kOp, "rows must be [T, e, D] with the table's D");
+  EngramPublishArgs pa;
+  size_t row_bytes = 0;
+  // Every check of both halves runs before anything is enqueued: a failing
+  // call enqueues no barrier, so the ranks' barrier sequences stay in step.
+  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, &pa, &row_bytes);
+      err.failure()) {
+    return err;
+  }
+  EngramFetchArgs fa;
+  if (ffi::Error err = PrepareFetch(kOp, *lease.dev, indices, rows, table.dimensions()[0],
+                                    reserved_bytes, num_sms, &fa);
+      err.failure()) {
+    return err;
+  }
+  const EpPeers peers = lease.dev->peers();
+  if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
+    return CudaError(err, "engram_fetch (publish) launch");
+  }
+  if (cudaError_t err = LaunchEngramFetch(fa, peers, stream); err != cudaSuccess) {
+    return CudaError(err, "engram_fetch launch");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishExecute, jax_ep::EngramPublishExecute,
+                              jax_ep::BindEpExecute()
+                                  .Attr<int64_t>("reserved_bytes")
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramFetchExecute, jax_ep::EngramFetchExecute,
+                              jax_ep::BindEpExecute()
+                                  .Attr<int64_t>("rows_per_rank")
+                                  .Attr<int64_t>("reserved_bytes")
+                                  .Attr<int32_t>("num_sms")
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPublishFetchExecute,
+                              jax_ep::BindEpExecute()
+                                  .Attr<int64_t>("reserved_bytes")
+                                  .Attr<int32_t>("num_sms")
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>());

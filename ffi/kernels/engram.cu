@@ -1,0 +1,172 @@
+// Engram publish / fetch over LSA (see engram.cuh, engram_layout.h).
+//
+// Fetch is a gather: the output [n, row_bytes] is viewed as n * row_bytes/16
+// 16-byte items; item q belongs to row q / vpr, chunk q % vpr. Consecutive
+// threads take consecutive items, so the stores are coalesced and the 16 (bf16,
+// D = 128) or 8 (FP8) threads of one row read its whole 256 / 128 bytes from
+// the owner's window in one transaction. Each thread keeps kUnroll loads in
+// flight before it stores (DESIGN §5: bytes in flight, not SM count, set the
+// NVLink rate).
+#include "engram.cuh"
+
+#include <algorithm>
+
+namespace jax_ep {
+namespace {
+
+constexpr int kPublishThreads = 512;
+constexpr int kFetchThreads = 512;
+constexpr int kFetchUnroll = 4;
+constexpr int kFetchMaxBlocks = 64;
+
+// Read-only for the lifetime of the kernel (written by a publish before a
+// barrier an earlier kernel passed): the non-coherent path, no L1 allocation.
+__device__ __forceinline__ uint4 LdNcV4(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+__device__ __forceinline__ void StNaV4(uint4* ptr, const uint4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p, int32_t* token) {
+  if (threadIdx.x != 0) return;
+  // An error already in the status word (e.g. the first barrier of this
+  // publish timed out) means the copy was skipped: still take part in the
+  // barrier so the peers are not left waiting, but mark the token.
+  const bool ok = rank_barrier(p, Op::kEngramFetch);
+  if (token != nullptr) *token = (ok && !has_error(p)) ? 1 : 0;
+}
+
+// Local copy of the shard into this rank's window (16-byte vectors when both
+// ends allow it, bytes otherwise).
+__global__ void __launch_bounds__(kPublishThreads)
+    EngramPublishCopyKernel(const __grid_constant__ EngramPublishArgs a, const __grid_constant__ EpPeers p) {
+  __shared__ int s_skip;
+  if (threadIdx.x == 0) s_skip = has_error(p);
+  __syncthreads();
+  if (s_skip) return;
+  char* dst = p.base[p.rank] + a.table_off;
+  const char* src = static_cast<const char*>(a.table);
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const bool vec = (reinterpret_cast<uintptr_t>(src) % 16) == 0 &&
+                   (reinterpret_cast<uintptr_t>(dst) % 16) == 0;
+  size_t done = 0;
+  if (vec) {
+    const size_t nv = a.table_bytes / 16;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (size_t i = tid; i < nv; i += stride) StNaV4(d4 + i, LdNcV4(s4 + i));
+    done = nv * 16;
+  }
+  for (size_t i = done + tid; i < a.table_bytes; i += stride) dst[i] = src[i];
+}
+
+template <bool kVec>
+// __grid_constant__: `p` is read in place (report_error takes it by
+// reference), not copied to a per-thread stack frame.
+__global__ void __launch_bounds__(kFetchThreads)
+    EngramFetchKernel(const __grid_constant__ EngramFetchArgs a, const __grid_constant__ EpPeers p) {
+  // Peer window bases in shared memory, so the per-item owner lookup is a
+  // shared load rather than a divergent constant-bank read.
+  __shared__ const char* s_base[kMaxRanks];
+  if (threadIdx.x < kMaxRanks) s_base[threadIdx.x] = p.base[threadIdx.x];
+  __syncthreads();
+  // The handler guarantees num_rows * row_bytes < 2^31: 32-bit item math.
+  const uint32_t vpr = static_cast<uint32_t>(a.row_bytes / 16);   // 16-byte chunks per row
+  const uint32_t total = static_cast<uint32_t>(a.num_rows * (kVec ? vpr : a.row_bytes));
+  const uint64_t V = static_cast<uint64_t>(a.rows_per_rank) * p.nranks;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  bool bad = false;
+  if (kVec) {
+    uint4* out = static_cast<uint4*>(a.out);
+    for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < total;
+         base += stride * kFetchUnroll) {
+      uint4 v[kFetchUnroll];
+#pragma unroll
+      for (int u = 0; u < kFetchUnroll; ++u) {
+        const uint32_t q = base + u * stride;
+        v[u] = make_uint4(0, 0, 0, 0);
+        if (q < total) {
+          const uint32_t row = q / vpr;
+          const uint32_t chunk = q - row * vpr;
+          const int32_t idx = __ldg(a.indices + row);
+          if (idx >= 0 && static_cast<uint64_t>(idx) < V) {
+            const int owner = static_cast<int>(static_cast<uint64_t>(idx) / a.rows_per_rank);
+            const uint64_t local = static_cast<uint64_t>(idx) - static_cast<uint64_t>(owner) * a.rows_per_rank;
+            const uint4* src = reinterpret_cast<const uint4*>(s_base[owner] + a.table_off +
+                                                             local * a.row_bytes) + chunk;
+            v[u] = LdNcV4(src);
+          } else if (idx != -1) {
+            bad = true;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kFetchUnroll; ++u) {
+        const uint32_t q = base + u * stride;
+        if (q < total) StNaV4(out + q, v[u]);
+      }
+    }
+  } else {
+    // Byte path for an unaligned output (XLA normally aligns buffers, so
+    // this is a fallback, not a fast path).
+    char* out = static_cast<char*>(a.out);
+    for (uint32_t q = blockIdx.x * blockDim.x + threadIdx.x; q < total; q += stride) {
+      const uint32_t row = q / static_cast<uint32_t>(a.row_bytes);
+      const uint32_t byte = q - row * static_cast<uint32_t>(a.row_bytes);
+      const int32_t idx = __ldg(a.indices + row);
+      char b = 0;
+      if (idx >= 0 && static_cast<uint64_t>(idx) < V) {
+        const int owner = static_cast<int>(static_cast<uint64_t>(idx) / a.rows_per_rank);
+        const uint64_t local = static_cast<uint64_t>(idx) - static_cast<uint64_t>(owner) * a.rows_per_rank;
+        b = s_base[owner][a.table_off + local * a.row_bytes + byte];
+      } else if (idx != -1) {
+        bad = true;
+      }
+      out[q] = b;
+    }
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) report_error(p, Op::kEngramFetch, Cause::kBadIndex);
+}
+
+}  // namespace
+
+cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream) {
+  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, nullptr);
+  if (a.table_bytes > 0) {
+    // A local HBM copy: enough CTAs to cover the SMs' load queues, no more.
+    const size_t nv = (a.table_bytes + 15) / 16;
+    const int blocks = static_cast<int>(std::min<size_t>(
+        264, std::max<size_t>(1, (nv + kPublishThreads - 1) / kPublishThreads)));
+    EngramPublishCopyKernel<<<blocks, kPublishThreads, 0, stream>>>(a, p);
+  }
+  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a.token);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream) {
+  if (a.num_rows == 0 || a.row_bytes == 0) return cudaSuccess;
+  const bool vec = a.row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.out) % 16) == 0 &&
+                   a.table_off % 16 == 0;
+  const uint64_t items = static_cast<uint64_t>(a.num_rows) * (vec ? a.row_bytes / 16 : a.row_bytes);
+  const uint64_t per_block = static_cast<uint64_t>(kFetchThreads) * (vec ? kFetchUnroll : 1);
+  const int cap = a.num_sms > 0 ? a.num_sms : kFetchMaxBlocks;
+  const int blocks = static_cast<int>(std::max<uint64_t>(
+      1, std::min<uint64_t>(static_cast<uint64_t>(cap), (items + per_block - 1) / per_block)));
+  if (vec) {
+    EngramFetchKernel<true><<<blocks, kFetchThreads, 0, stream>>>(a, p);
+  } else {
+    EngramFetchKernel<false><<<blocks, kFetchThreads, 0, stream>>>(a, p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

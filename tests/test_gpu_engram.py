@@ -1,0 +1,180 @@
+"""Engram's CUDA path (publish into the symmetric window + NVLink fetch) is
+bitwise equal to the reference, reports bad indices through the status word,
+sees table updates after a new publish, and stays stable over many calls
+(GPU). Written on a machine without a GPU: not yet run."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+
+from jax_ep import _native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.cuda_available(), reason="needs jax_ep's CUDA build and GPUs"),
+]
+
+if _native.cuda_available():
+    import gpu_helpers as h
+    import jax_ep
+    from oracle import BF16, FP8, bits
+
+# The largest shard here: 524288 rows x 128 bf16 = 128 MiB, at the window's end.
+COMM_BYTES = 192 << 20
+D, T, E = 128, 512, 24
+
+
+@pytest.fixture(scope="module")
+def comm(gpu_comm):
+    return gpu_comm
+
+
+def _table(rng, shape, dtype):
+    """Random finite values of `dtype` drawn as bit patterns (fast for 10^8 elements)."""
+    n = int(np.prod(shape))
+    if dtype == FP8:
+        b = rng.integers(0, 0x7f, n, dtype=np.uint8) | (rng.integers(0, 2, n, dtype=np.uint8) << 7)
+        return b.view(FP8).reshape(shape)
+    b = rng.integers(0, 0x7f80, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
+    return b.view(BF16).reshape(shape)
+
+
+def _indices(rng, R, V, p_none=0.2):
+    idx = rng.integers(0, V, size=(R, T, E)).astype(np.int32)
+    idx[rng.random((R, T, E)) < p_none] = -1
+    return idx
+
+
+def _oracle_bits(shards, idx):
+    """[R, VL, D] shards (global table = concat), [R, T, e] -> bit patterns [R, T, e, D]."""
+    tb = bits(shards.reshape(-1, shards.shape[-1]))
+    valid = (idx >= 0) & (idx < tb.shape[0])
+    return np.where(valid[..., None], tb[np.maximum(np.minimum(idx, tb.shape[0] - 1), 0)], 0)
+
+
+def _fetch(comm, backend, fp8):
+    if fp8:
+        def fn(tab, i, sc):
+            return jax_ep.engram_fetch(tab, i, axis_name=h.AXIS, scales=sc, backend=backend)
+    else:
+        def fn(tab, i):
+            return jax_ep.engram_fetch(tab, i, axis_name=h.AXIS, backend=backend)
+    return h.per_rank_jit(comm.mesh, fn)
+
+
+@pytest.mark.parametrize("VL", [524288, 1000])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_engram_cuda_fetch_bitwise_equals_reference(comm, VL, fp8):
+    R = comm.num_ranks
+    rng = np.random.default_rng(7000 + VL + fp8)
+    shards = _table(rng, (R, VL, D), FP8 if fp8 else BF16)
+    idx = _indices(rng, R, R * VL)
+    args = [h.put(comm.mesh, shards), h.put(comm.mesh, idx)]
+    if fp8:
+        scales = rng.uniform(0.01, 4.0, R * VL).astype(np.float32)
+        args.append(h.put(comm.mesh, np.tile(scales, (R, 1))))
+    got = jax.block_until_ready(_fetch(comm, "cuda", fp8)(*args))
+    comm.check()
+    want = _fetch(comm, "reference", fp8)(*args)
+    got_rows, want_rows = (got[0], want[0]) if fp8 else (got, want)
+    got_rows = np.asarray(got_rows)
+    assert got_rows.dtype == (FP8 if fp8 else BF16) and got_rows.shape == (R, T, E, D)
+    np.testing.assert_array_equal(bits(got_rows), bits(np.asarray(want_rows)))
+    np.testing.assert_array_equal(bits(got_rows), _oracle_bits(shards, idx))
+    if fp8:
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_engram_cuda_start_wait_equals_fused(comm):
+    R, VL = comm.num_ranks, 1000
+    rng = np.random.default_rng(7100)
+    shards = _table(rng, (R, VL, D), BF16)
+    idx = _indices(rng, R, R * VL)
+
+    def split(tab, i):
+        return jax_ep.engram_fetch_wait(jax_ep.engram_fetch_start(tab, i, axis_name=h.AXIS,
+                                                                  backend="cuda"))
+
+    args = (h.put(comm.mesh, shards), h.put(comm.mesh, idx))
+    a = np.asarray(h.per_rank_jit(comm.mesh, split)(*args))
+    b = np.asarray(_fetch(comm, "cuda", False)(*args))
+    comm.check()
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_engram_cuda_bad_index_raises_through_check_and_next_call_works(comm):
+    from jax_ep._checks import EpRuntimeError
+
+    R, VL = comm.num_ranks, 1000
+    rng = np.random.default_rng(7200)
+    shards = _table(rng, (R, VL, D), BF16)
+    idx = _indices(rng, R, R * VL)
+    bad = idx.copy()
+    bad[0, 3, 5] = R * VL       # one past the end
+    bad[0, 7, 0] = -2           # below -1
+    bad[0, 9, 1] = 2 ** 31 - 1  # far past the end: must not be read
+    f = _fetch(comm, "cuda", False)
+    tab = h.put(comm.mesh, shards)
+    got = np.asarray(jax.block_until_ready(f(tab, h.put(comm.mesh, bad))))
+    # Bad entries are zero rows; every other row is still right.
+    np.testing.assert_array_equal(bits(got), _oracle_bits(shards, bad))
+    with pytest.raises(EpRuntimeError, match=r"engram_fetch \(EP rank 0.*index out of range"):
+        comm.check()
+    got = np.asarray(jax.block_until_ready(f(tab, h.put(comm.mesh, idx))))
+    np.testing.assert_array_equal(bits(got), _oracle_bits(shards, idx))
+    comm.check()
+
+
+def test_engram_cuda_fetch_after_table_update_returns_new_rows(comm):
+    R, VL = comm.num_ranks, 1000
+    rng = np.random.default_rng(7300)
+    old = _table(rng, (R, VL, D), BF16)
+    new = _table(rng, (R, VL, D), BF16)
+    idx = _indices(rng, R, R * VL)
+    i = h.put(comm.mesh, idx)
+    f = _fetch(comm, "cuda", False)
+    a = np.asarray(f(h.put(comm.mesh, old), i))
+    b = np.asarray(f(h.put(comm.mesh, new), i))
+    np.testing.assert_array_equal(bits(a), _oracle_bits(old, idx))
+    np.testing.assert_array_equal(bits(b), _oracle_bits(new, idx))
+
+    # Both tables in one program: two publishes, each fetch sees its own.
+    def two(t0, t1, ii):
+        return (jax_ep.engram_fetch(t0, ii, axis_name=h.AXIS, backend="cuda"),
+                jax_ep.engram_fetch(t1, ii, axis_name=h.AXIS, backend="cuda"))
+
+    c, d = h.per_rank_jit(comm.mesh, two)(h.put(comm.mesh, old), h.put(comm.mesh, new), i)
+    comm.check()
+    np.testing.assert_array_equal(bits(np.asarray(c)), _oracle_bits(old, idx))
+    np.testing.assert_array_equal(bits(np.asarray(d)), _oracle_bits(new, idx))
+
+
+def test_engram_cuda_fetch_is_stable_over_200_calls(comm):
+    R, VL = comm.num_ranks, 1000
+    rng = np.random.default_rng(7400)
+    shards = _table(rng, (R, VL, D), BF16)
+    idx = _indices(rng, R, R * VL)
+    want = _oracle_bits(shards, idx)
+    f = _fetch(comm, "cuda", False)
+    tab, i = h.put(comm.mesh, shards), h.put(comm.mesh, idx)
+    outs = [f(tab, i) for _ in range(200)]
+    for k, o in enumerate(jax.block_until_ready(outs)):
+        np.testing.assert_array_equal(bits(np.asarray(o)), want, err_msg=f"call {k}")
+    comm.check()
+
+
+def test_engram_cuda_window_too_small_names_the_bytes(comm):
+    R = comm.num_ranks
+    VL = comm.num_bytes // (D * 2) + 1  # one row more than the whole window
+    tab = jax.ShapeDtypeStruct((R, VL, D), BF16)
+    idx = h.put(comm.mesh, np.full((R, T, E), -1, np.int32))
+    f = _fetch(comm, "cuda", False)
+    with pytest.raises(Exception, match=r"engram_fetch: the symmetric window is too small.*"
+                                         r"num_bytes >= \d+"):
+        jax.block_until_ready(f(jax.numpy.zeros(tab.shape, tab.dtype,
+                                                device=jax.sharding.NamedSharding(
+                                                    comm.mesh, jax.sharding.PartitionSpec(h.AXIS))),
+                                idx))
+    comm.check()

@@ -441,7 +441,8 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
              "one if later calls time out)";
       break;
     case Cause::kBadIndex:
-      msg += "index out of range";
+      msg += "index out of range: a row index outside [-1, V) in the Engram indices (those "
+             "rows were returned as zeros)";
       break;
     case Cause::kWindowTooSmall:
       msg += "symmetric window too small for this call; create the Communicator with a larger "

@@ -168,23 +168,9 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
   ap.add_argument("--quick", action="store_true", help="fewer iterations")
   args = ap.parse_args(argv)
-  try:
-    import jax
-  except ImportError:
-    print("bench_engram: jax is not installed", file=sys.stderr)
-    return 2
-  try:
-    gpus = jax.devices("gpu")
-  except RuntimeError:
-    gpus = []
-  if len(gpus) < 2:
-    print(f"bench_engram: needs 2 GPUs visible to JAX, found {len(gpus)} "
-          f"(backend: {jax.default_backend()}); nothing measured.", file=sys.stderr)
-    return 2
-  import jax_ep
-  if not jax_ep.cuda_available():
-    print("bench_engram: jax_ep was built without CUDA (pip install -e . with nvcc + NCCL)",
-          file=sys.stderr)
+  from bench_normal import require_two_gpus
+  gpus = require_two_gpus("bench_engram")
+  if gpus is None:
     return 2
   from bench_normal import _commit, _machine, copy_engine_gbps
 

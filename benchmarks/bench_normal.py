@@ -99,7 +99,6 @@ def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int) -> tuple[float, f
 def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
   """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
   import jax
-  import jax.numpy as jnp
   from jax import lax
 
   def step(*a):
@@ -252,7 +251,6 @@ def _ragged_all_to_all_dispatch(x, topk_idx, *, shape: Shape, axis: str):
 
 def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list[dict]:
   import jax
-  import jax.numpy as jnp
   from jax.sharding import Mesh
   import jax_ep
 
@@ -382,6 +380,29 @@ def _plot(records: list[dict], path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
+def require_two_gpus(name: str):
+  """The GPUs to measure on, or None after saying why nothing can be measured."""
+  try:
+    import jax
+  except ImportError:
+    print(f"{name}: jax is not installed", file=sys.stderr)
+    return None
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    gpus = []
+  if len(gpus) < 2:
+    print(f"{name}: needs 2 GPUs visible to JAX, found {len(gpus)} "
+          f"(backend: {jax.default_backend()}); nothing measured.", file=sys.stderr)
+    return None
+  import jax_ep
+  if not jax_ep.cuda_available():
+    print(f"{name}: jax_ep was built without CUDA (pip install -e . with nvcc + NCCL)",
+          file=sys.stderr)
+    return None
+  return gpus
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for JSON/PNG")
@@ -391,22 +412,8 @@ def main(argv=None) -> int:
   ap.add_argument("--impls", default=None, help="comma list, e.g. jax_ep,jax_all_to_all")
   args = ap.parse_args(argv)
 
-  try:
-    import jax
-  except ImportError:
-    print("bench_normal: jax is not installed", file=sys.stderr)
-    return 2
-  try:
-    gpus = jax.devices("gpu")
-  except RuntimeError:
-    gpus = []
-  if len(gpus) < 2:
-    print(f"bench_normal: needs 2 GPUs visible to JAX, found {len(gpus)} "
-          f"(backend: {jax.default_backend()}); nothing measured.", file=sys.stderr)
-    return 2
-  import jax_ep
-  if not jax_ep.cuda_available():
-    print("bench_normal: jax_ep was built without CUDA (pip install -e . with nvcc + NCCL)", file=sys.stderr)
+  gpus = require_two_gpus("bench_normal")
+  if gpus is None:
     return 2
 
   machine = _machine(gpus[:2])

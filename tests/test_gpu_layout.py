@@ -16,7 +16,6 @@ pytestmark = [
 if _native.cuda_available():
     import gpu_helpers as h
     from jax_ep import _ffi
-    from jax_ep.comm import Communicator
 
 
 @pytest.fixture(scope="module")

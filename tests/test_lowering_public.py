@@ -5,7 +5,6 @@ calls with the communicator's id; lowered for CPU it holds none."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -8,6 +8,7 @@
 // flight before it stores (DESIGN §5: bytes in flight, not SM count, set the
 // NVLink rate).
 #include "engram.cuh"
+#include "ep_copy.cuh"
 
 #include <algorithm>
 
@@ -18,22 +19,6 @@ constexpr int kPublishThreads = 512;
 constexpr int kFetchThreads = 512;
 constexpr int kFetchUnroll = 4;
 constexpr int kFetchMaxBlocks = 64;
-
-// Read-only for the lifetime of the kernel (written by a publish before a
-// barrier an earlier kernel passed): the non-coherent path, no L1 allocation.
-__device__ __forceinline__ uint4 LdNcV4(const uint4* ptr) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr));
-  return v;
-}
-
-__device__ __forceinline__ void StNaV4(uint4* ptr, const uint4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
 
 __global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p, int32_t* token) {
   if (threadIdx.x != 0) return;
@@ -63,7 +48,7 @@ __global__ void __launch_bounds__(kPublishThreads)
     const size_t nv = a.table_bytes / 16;
     const uint4* s4 = reinterpret_cast<const uint4*>(src);
     uint4* d4 = reinterpret_cast<uint4*>(dst);
-    for (size_t i = tid; i < nv; i += stride) StNaV4(d4 + i, LdNcV4(s4 + i));
+    for (size_t i = tid; i < nv; i += stride) StNa(d4 + i, LdNcNa(s4 + i));
     done = nv * 16;
   }
   for (size_t i = done + tid; i < a.table_bytes; i += stride) dst[i] = src[i];
@@ -103,7 +88,7 @@ __global__ void __launch_bounds__(kFetchThreads)
             const uint64_t local = static_cast<uint64_t>(idx) - static_cast<uint64_t>(owner) * a.rows_per_rank;
             const uint4* src = reinterpret_cast<const uint4*>(s_base[owner] + a.table_off +
                                                              local * a.row_bytes) + chunk;
-            v[u] = LdNcV4(src);
+            v[u] = LdNcNa(src);
           } else if (idx != -1) {
             bad = true;
           }
@@ -112,7 +97,7 @@ __global__ void __launch_bounds__(kFetchThreads)
 #pragma unroll
       for (int u = 0; u < kFetchUnroll; ++u) {
         const uint32_t q = base + u * stride;
-        if (q < total) StNaV4(out + q, v[u]);
+        if (q < total) StNa(out + q, v[u]);
       }
     }
   } else {

@@ -13,7 +13,8 @@ namespace jax_ep {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Read-only input (x, y): bypass L1, it is streamed once.
+// Data that no one writes while the kernel runs (inputs x, y; a peer window
+// filled before a barrier an earlier kernel passed): bypass L1, read once.
 __device__ __forceinline__ uint4 LdNcNa(const uint4* ptr) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"

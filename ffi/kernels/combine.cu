@@ -25,8 +25,6 @@ namespace {
 
 constexpr int kPushThreads = 1024;
 constexpr int kReduceThreads = 512;  // 32 f32 accumulators per lane need > 64 registers
-constexpr int kUnroll = 4;
-constexpr int kMaxTopk = 32;
 
 struct CombineCfg {
   int T, H, K, E, C;
@@ -100,11 +98,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) CombinePushKernel(CombineCfg 
         const int idx = base + u * 32 + lane;
         if (idx < nvec) v[u] = LdNcNa(src + idx);
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        if (idx < nvec) StNa(dst + idx, v[u]);
-      }
+      StoreChunk(dst, base, nvec, lane, v);
     }
     if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
   }

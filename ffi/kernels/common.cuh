@@ -63,9 +63,6 @@ __device__ __forceinline__ uint64_t* barrier_flags(const EpPeers& p, int rank) {
   return reinterpret_cast<uint64_t*>(p.base[rank] + kBarrierFlagsOffset);
 }
 
-__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }

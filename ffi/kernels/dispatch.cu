@@ -46,9 +46,7 @@ constexpr int kPrepThreads = 1024;  // 32 warps: one warp per 1/32 of the tokens
 constexpr int kControlThreads = 1024;   // one thread per local expert in the control kernel
 constexpr int kDataThreads = 1024;      // 32 warps: one token (row) per warp at a time
 constexpr int kCastThreads = 512;       // push kernel with the in-kernel FP8 cast
-constexpr int kUnroll = 4;              // 16-byte loads in flight per lane (DESIGN §5)
 constexpr int kMaxLocalExperts = kControlThreads;
-constexpr int kMaxTopk = 32;            // one lane per top-k slot
 
 struct DispatchCfg {
   int T, H, K, E, El, C, align;
@@ -462,20 +460,12 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchPushKernel(DispatchCfg c,
         for (unsigned m = remote_mask; m; m &= m - 1) {
           const int j = __ffs(m) - 1;
           uint4* dst = reinterpret_cast<uint4*>(ShflPtr(lane_row, j));
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int idx = base + u * 32 + lane;
-            if (idx < nvec) StNa(dst + idx, v[u]);
-          }
+          StoreChunk(dst, base, nvec, lane, v);
         }
         for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
           const int row = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
           uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int idx = base + u * 32 + lane;
-            if (idx < nvec) StNa(dst + idx, v[u]);
-          }
+          StoreChunk(dst, base, nvec, lane, v);
         }
       } else {
         constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
@@ -647,16 +637,8 @@ __global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCf
       uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
       for (int base = 0; base < nvec; base += 32 * kUnroll) {
         uint4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int idx = base + u * 32 + lane;
-          if (idx < nvec) v[u] = LdV4(sv + idx);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int idx = base + u * 32 + lane;
-          if (idx < nvec) StNa(dst + idx, v[u]);
-        }
+        LoadChunk(sv, base, nvec, lane, v);
+        StoreChunk(dst, base, nvec, lane, v);
       }
       if (c.has_scales) {
         const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
@@ -701,19 +683,11 @@ __global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCf
     const uint4* sv = reinterpret_cast<const uint4*>(src);
     for (int base = 0; base < nvec; base += 32 * kUnroll) {
       uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        if (idx < nvec) v[u] = LdV4(sv + idx);
-      }
+      LoadChunk(sv, base, nvec, lane, v);
       for (unsigned m = omask; m; m &= m - 1) {
         const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
         uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int idx = base + u * 32 + lane;
-          if (idx < nvec) StNa(dst + idx, v[u]);
-        }
+        StoreChunk(dst, base, nvec, lane, v);
       }
     }
     if (c.has_scales) {

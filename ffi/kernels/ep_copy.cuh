@@ -12,6 +12,8 @@
 namespace jax_ep {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kUnroll = 4;    // 16-byte loads in flight per lane (DESIGN §5)
+constexpr int kMaxTopk = 32;  // one lane per top-k slot
 
 // Data that no one writes while the kernel runs (inputs x, y; a peer window
 // filled before a barrier an earlier kernel passed): bypass L1, read once.
@@ -38,6 +40,25 @@ __device__ __forceinline__ void StNa(uint4* ptr, const uint4& v) {
   asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x),
                "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+}
+
+// A warp moves a row in chunks of 32 * kUnroll 16-byte vectors: lane `lane`
+// holds vectors base + u * 32 + lane (u < kUnroll), those below `nvec`.
+__device__ __forceinline__ void LoadChunk(const uint4* src, int base, int nvec, int lane,
+                                          uint4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int idx = base + u * 32 + lane;
+    if (idx < nvec) v[u] = LdV4(src + idx);
+  }
+}
+__device__ __forceinline__ void StoreChunk(uint4* dst, int base, int nvec, int lane,
+                                           const uint4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int idx = base + u * 32 + lane;
+    if (idx < nvec) StNa(dst + idx, v[u]);
+  }
 }
 
 __device__ __forceinline__ void StU64Volatile(uint64_t* ptr, uint64_t v) {

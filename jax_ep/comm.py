@@ -47,13 +47,14 @@ def _round_up(n: int, m: int) -> int:
 def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
                          num_experts: int, dtype_bytes: int = 2,
                          low_latency: bool = False) -> int:
-  """Window bytes per rank that the ops need for a config (generous).
+  """Window bytes per rank that the ops need for a config.
 
-  Normal mode: a receive area for one row per (source token, source rank)
-  (payload, top-k ids + weights, FP8 scales, row metadata) plus a combine
-  area for one row per (token, k). Low-latency mode: per local expert a
-  receive area for R * tokens_per_rank rows, and the combine area for them.
-  Rounded up to NCCL's 2 MiB granule; includes the 4 KiB runtime header.
+  Normal mode: exactly what the dispatch/combine kernels lay out
+  (`_ffi_dispatch.window_bytes_needed`, the mirror of
+  ffi/kernels/window_layout.h). Low-latency mode (no kernels yet): an estimate,
+  per local expert a receive area for R * tokens_per_rank rows plus the
+  combine area for them. Rounded up to NCCL's 2 MiB granule; includes the
+  4 KiB runtime header.
   """
   for name, v in (("num_ranks", num_ranks), ("tokens_per_rank", tokens_per_rank),
                   ("hidden", hidden), ("topk", topk), ("num_experts", num_experts),
@@ -61,14 +62,15 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
     if v < (0 if name == "tokens_per_rank" else 1):
       raise ValueError(f"{name} must be positive, got {v}")
   r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
-  row = h * dtype_bytes + k * 8 + (h // 128) * 4 + 64
-  out_bytes = h * max(dtype_bytes, 2)  # combine moves bf16 or wider
+  out_bytes = max(dtype_bytes, 2)  # combine moves bf16 or wider
   if low_latency:
+    row = h * dtype_bytes + k * 8 + (h // 128) * 4 + 64
     e_l = max(1, e // r)
-    area = e_l * r * t * row + e_l * r * t * out_bytes
-  else:
-    area = r * t * row + max(t * k, r * t) * out_bytes
-  return _round_up(_HEADER_BYTES + area, _GRANULE)
+    return _round_up(_HEADER_BYTES + e_l * r * t * (row + h * out_bytes), _GRANULE)
+  from jax_ep._ffi_dispatch import window_bytes_needed
+  need = window_bytes_needed(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
+                             x_bytes=dtype_bytes, y_bytes=out_bytes)
+  return _round_up(need, _GRANULE)
 
 
 def current(axis_name: str) -> Optional["Communicator"]:

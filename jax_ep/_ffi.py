@@ -15,7 +15,7 @@ from jax_ep import _native
 Array = jax.Array
 
 
-def _call(target: str, results, *, vmap_method: str = "sequential"):
+def _call(target: str, results, *, vmap_method: "str | None" = "sequential"):
   # Registration is only needed to compile, not to lower/export; skip it when
   # the CUDA build is absent so that jax.export(platforms=["cuda"]) still works.
   if _native.cuda_built():

@@ -18,17 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep._checks import is_fp8_pair
+from jax_ep._ffi import _call
 from jax_ep._types import DispatchHandle, DispatchOutput
 
 Array = jax.Array
 
 _LAYOUT_CODE = {"rank": 0, "expert": 1}
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def _call(target: str, results):
-  from jax_ep import _ffi  # registration happens lazily there
-  return _ffi._call(target, results)
 
 
 def _align16(n: int) -> int:

@@ -21,25 +21,18 @@ explicit backend="cuda".
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_ep._ffi import _call
 
 Array = jax.Array
 
 TABLE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 _ALIGN = 256
 _HEADER_BYTES = 4096
-
-
-def _call(target: str, results, *, vmap_method: Optional[str]):
-  from jax_ep import _native
-  # Registration is only needed to compile, not to lower (jax.export).
-  if _native.cuda_built():
-    _native.ensure_registered()
-  return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)
 
 
 def _row_bytes(dim: int, dtype) -> int:

@@ -21,7 +21,6 @@ explicit backend="cuda".
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -399,8 +399,12 @@ def engram_fetch_wait(pending: Pending) -> Any:
   rows = jnp.take_along_axis(got, owner[None, :, :, None], axis=0)[0]  # [T, e, D]
   if scales is None:
     return rows
-  row_scales = jnp.where(indices >= 0, scales[jnp.maximum(indices, 0)], 0).astype(scales.dtype)
-  return rows, row_scales
+  return rows, engram_row_scales(indices, scales)
+
+
+def engram_row_scales(indices: Array, scales: Array) -> Array:
+  """FP8 tables: the replicated per-row scales of the fetched rows; 0 for -1."""
+  return jnp.where(indices >= 0, scales[jnp.maximum(indices, 0)], 0).astype(scales.dtype)
 
 
 def engram_table_grad(d_rows: Array, indices: Array, v_l: int, dtype, *, axis_name: str) -> Array:

@@ -57,11 +57,6 @@ def _rows(table, indices, *, axis_name: str, backend: Optional[str], reserved_by
   return _backend.run("cuda", axis_name, reference, cuda, table, indices.astype(jnp.int32))
 
 
-def _row_scales(indices, scales):
-  # Exactly reference.engram_fetch_wait's expression.
-  return jnp.where(indices >= 0, scales[jnp.maximum(indices, 0)], 0).astype(scales.dtype)
-
-
 def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",
                        scales: Optional[jax.Array] = None, backend: Optional[str] = None,
                        reserved_bytes: int = 0) -> Any:
@@ -95,7 +90,7 @@ def engram_fetch_wait(pending: Any) -> Any:
   rows, indices, scales = pending.arrays
   if scales is None:
     return rows
-  return rows, _row_scales(indices, scales)
+  return rows, ref.engram_row_scales(indices, scales)
 
 
 def engram_fetch(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",

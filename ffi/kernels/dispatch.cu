@@ -711,27 +711,26 @@ __global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCf
 
 // ---------------------------------------------------------------- host
 
+// Launch-tuning environment variables, read once per process (the
+// launchers run on every call).
+static int EnvInt(const char* name) {
+  const char* env = std::getenv(name);
+  return env ? std::atoi(env) : 0;
+}
+
 int DiagSkipMask() {
-  static const int mask = [] {
-    const char* env = std::getenv("JAX_EP_DIAG_SKIP");
-    return env ? std::atoi(env) : 0;
-  }();
+  static const int mask = EnvInt("JAX_EP_DIAG_SKIP");
   return mask;
 }
 
 int LocalPhaseBlocks(int model_choice) {
-  static const int n = [] {
-    const char* env = std::getenv("JAX_EP_LOCAL_SMS");
-    return env ? std::atoi(env) : 0;
-  }();
+  static const int n = EnvInt("JAX_EP_LOCAL_SMS");
   return n > 0 ? n : model_choice;
 }
 
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
-  int cap = requested;
-  if (cap <= 0) {
-    if (const char* env = std::getenv("JAX_EP_NUM_SMS")) cap = std::atoi(env);
-  }
+  static const int env_sms = EnvInt("JAX_EP_NUM_SMS");
+  int cap = requested > 0 ? requested : env_sms;
   if (cap <= 0) {
     // Little's law: a link of B bytes/s with latency L needs B*L bytes in
     // flight. NVLink on H200 ~450 GB/s per direction, ~2 µs from load issue

@@ -169,15 +169,10 @@ def _route(topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, ca
     n = num_ranks * t * k
     local = (_gather(topk_idx, axis_name) - r * e_l).reshape(-1)
     mask = here.reshape(-1)
-    group = jnp.where(mask, local, e_l)                              # e_l = "not here"
-    sizes = jnp.zeros((e_l + 1,), jnp.int32).at[group].add(1)[:e_l]
+    sizes, i, gl = _group_entries(jnp.where(mask, local, e_l), e_l)
     padded = (sizes + expert_alignment - 1) // expert_alignment * expert_alignment
     start = jnp.cumsum(padded) - padded                              # padded group starts
-    ustart = jnp.cumsum(sizes) - sizes                                # unpadded group starts
-    order = jnp.argsort(group * n + jnp.arange(n))                    # (l, s, t, k) order
-    rank_in_sorted = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    gl = jnp.minimum(group, e_l - 1)
-    row = jnp.where(mask, start[gl] + rank_in_sorted - ustart[gl], capacity)
+    row = jnp.where(mask, start[gl] + i, capacity)
     total = jnp.sum(padded)
     entry = jnp.full((capacity,), -1, jnp.int32).at[row].set(jnp.arange(n, dtype=jnp.int32),
                                                             mode="drop")
@@ -191,6 +186,22 @@ def _route(topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, ca
                         recv_src_token=src_token, recv_src_k=src_k, recv_counts=recv_counts,
                         layout=layout, num_experts=num_experts, capacity=capacity,
                         expert_alignment=expert_alignment)
+
+
+def _group_entries(group: Array, num_groups: int) -> tuple[Array, Array, Array]:
+  """Groups flat (source rank, token, k) entries by local expert.
+
+  group: [N] in [0, num_groups], num_groups meaning "not here". Returns the
+  group sizes [num_groups], each entry's index inside its group (entries keep
+  their flat order) and its group clipped to a valid index (for gathers).
+  """
+  n = group.shape[0]
+  sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[group].add(1)[:num_groups]
+  ustart = jnp.cumsum(sizes) - sizes
+  order = jnp.argsort(group, stable=True)
+  pos = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+  gl = jnp.minimum(group, num_groups - 1)
+  return sizes, pos - ustart[gl], gl
 
 
 def _split_src(src: Array, t: int) -> tuple[Array, Array]:
@@ -318,13 +329,7 @@ def low_latency_dispatch_done(pending: Pending) -> LowLatencyDispatchOutput:
   n = num_ranks * t * k
   flat_idx = idx_all.reshape(-1)
   mask = _valid_ids(flat_idx, num_experts) & (flat_idx // e_l == r)
-  group = jnp.where(mask, flat_idx - r * e_l, e_l)
-  sizes = jnp.zeros((e_l + 1,), jnp.int32).at[group].add(1)[:e_l]
-  ustart = jnp.cumsum(sizes) - sizes
-  order = jnp.argsort(group * n + jnp.arange(n))
-  rank_in_sorted = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-  gl = jnp.minimum(group, e_l - 1)
-  i = rank_in_sorted - ustart[gl]
+  sizes, i, gl = _group_entries(jnp.where(mask, flat_idx - r * e_l, e_l), e_l)
   slot = jnp.where(mask & (i < m), gl * m + i, e_l * m)
   entry = jnp.full((e_l * m,), -1, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32),
                                                           mode="drop")

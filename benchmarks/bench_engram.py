@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import os
 import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "engram.json")
 sys.path.insert(0, HERE)
 
 
@@ -172,7 +169,7 @@ def main(argv=None) -> int:
   gpus = require_two_gpus("bench_engram")
   if gpus is None:
     return 2
-  from bench_normal import _commit, _machine, copy_engine_gbps
+  from bench_normal import _finish, _machine, copy_engine_gbps, write_records
 
   machine = _machine(gpus[:2])
   ce, ce_note = copy_engine_gbps(gpus[:2])
@@ -181,23 +178,8 @@ def main(argv=None) -> int:
   if not records:
     print("bench_engram: every implementation failed; nothing written", file=sys.stderr)
     return 1
-  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-  commit = _commit()
-  for r in records:
-    r["ratio_to_copy_engine"] = r["nvlink_gbps"] / ce if r.get("nvlink_gbps") else None
-    r.update(machine=machine, date=date, commit=commit)
-  records.append(dict(bench="copy_engine", impl="copy_engine", dtype="u8", tokens_per_rank=None,
-                      hidden=None, topk=None, experts=None, ranks=2, time_us=None,
-                      nvlink_gbps=ce, logical_gbps=None, sms=None, ratio_to_copy_engine=1.0,
-                      machine=machine, date=date, commit=commit, note=ce_note))
-  os.makedirs(args.out, exist_ok=True)
-  out = os.path.join(args.out, "engram.json")
-  with open(out, "w") as f:
-    json.dump(records, f, indent=1)
-  if os.path.abspath(out) != os.path.abspath(RESULTS):
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-      json.dump(records, f, indent=1)
+  _finish(records, ce, ce_note, machine)
+  out = write_records(records, args.out, "engram")
   hdr = f"{'impl':16s} {'dtype':5s} {'time_us':>10s} {'nvlink':>8s} {'logical':>8s} {'Mrows/s':>9s} {'x_ce':>6s}"
   print(hdr + "\n" + "-" * len(hdr))
   for r in records:

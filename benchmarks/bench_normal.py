@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "normal.json")
+RESULTS_DIR = os.path.join(HERE, "results")
 
 
 @dataclasses.dataclass
@@ -344,6 +344,17 @@ def _finish(records: list[dict], ce_gbps: float, ce_note: str, machine: str) -> 
                       machine=machine, date=date, commit=commit, note=ce_note))
 
 
+def write_records(records: list[dict], out_dir: str, name: str) -> str:
+  """Writes out_dir/<name>.json and, when out_dir is elsewhere, the copy kept
+  in the repository (benchmarks/results/<name>.json). Returns the first path."""
+  paths = [os.path.join(out_dir, f"{name}.json"), os.path.join(RESULTS_DIR, f"{name}.json")]
+  for path in dict.fromkeys(os.path.abspath(p) for p in paths):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(records, f, indent=1)
+  return paths[0]
+
+
 def _table(records: list[dict]) -> str:
   hdr = f"{'bench':16s} {'impl':24s} {'dtype':5s} {'tok':>6s} {'time_us':>10s} {'nvlink':>8s} {'logical':>8s} {'sms':>4s} {'x_ce':>6s}"
   lines = [hdr, "-" * len(hdr)]
@@ -436,14 +447,7 @@ def main(argv=None) -> int:
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)
   _finish(records, ce, ce_note, machine)
 
-  os.makedirs(args.out, exist_ok=True)
-  name = "normal_sweep" if args.sweep else "normal"
-  with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-    json.dump(records, f, indent=1)
-  os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-  if os.path.abspath(os.path.join(args.out, f"{name}.json")) != os.path.abspath(RESULTS):
-    with open(RESULTS if not args.sweep else RESULTS.replace("normal.json", "normal_sweep.json"), "w") as f:
-      json.dump(records, f, indent=1)
+  write_records(records, args.out, "normal_sweep" if args.sweep else "normal")
   if args.sweep:
     png = os.path.join(args.out, "normal_sweep.png")
     _plot(records, png)

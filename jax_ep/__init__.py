@@ -18,22 +18,10 @@ from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_don
                                     low_latency_dispatch_done, low_latency_dispatch_start)
 from jax_ep.reference import default_capacity
 
-try:
-  from jax_ep.comm import Communicator, get_buffer_size_hint
-except ImportError:  # pragma: no cover - the communicator module is optional at import
-  Communicator = None
-  get_buffer_size_hint = None
+from jax_ep._native import cuda_available
+from jax_ep.comm import Communicator, get_buffer_size_hint
 
 __version__ = "0.1.0"
-
-
-def cuda_available() -> bool:
-  """True when the native CUDA path is built and a CUDA GPU is visible to JAX."""
-  try:
-    from jax_ep import _native
-  except ImportError:
-    return False
-  return bool(_native.cuda_available())
 
 
 __all__ = [

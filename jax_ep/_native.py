@@ -42,7 +42,7 @@ def cuda_built() -> bool:
 
 
 def cuda_available() -> bool:
-  """cuda_built() and JAX has a CUDA backend with at least one GPU."""
+  """True when jax_ep was built with CUDA and JAX sees at least one CUDA GPU."""
   if not cuda_built():
     return False
   import jax

@@ -22,10 +22,7 @@ def check_backend(backend: Optional[str]) -> None:
 
 def cuda_comm(axis_name: str):
   """The Communicator the kernels would use for this axis, or None."""
-  try:
-    from jax_ep import _native, comm
-  except ImportError:
-    return None
+  from jax_ep import _native, comm  # both import without the native module
   if not _native.cuda_built():
     return None
   return comm.current(axis_name)

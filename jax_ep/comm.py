@@ -88,12 +88,15 @@ def _kv_client():
   return getattr(distributed.global_state, "client", None)
 
 
-def _share_unique_ids(groups: list[list[jax.Device]], seq: int, timeout_s: float) -> list[bytes]:
-  """One NCCL unique id per group; across processes through jax.distributed's
-  key-value store (the owner of a group's rank 0 publishes it)."""
+def _share_unique_ids(groups: list[tuple[int, list[jax.Device]]], seq: int,
+                      timeout_s: float) -> list[bytes]:
+  """One NCCL unique id per (mesh-wide group index, devices); across processes
+  through jax.distributed's key-value store (the owner of a group's rank 0
+  publishes it under the group's mesh-wide index, which every process agrees
+  on)."""
   native = _native.module()
   me = jax.process_index()
-  multi = any(d.process_index != me for g in groups for d in g)
+  multi = any(d.process_index != me for _, g in groups for d in g)
   if not multi:
     return [native.get_unique_id() for _ in groups]
   client = _kv_client()
@@ -102,7 +105,7 @@ def _share_unique_ids(groups: list[list[jax.Device]], seq: int, timeout_s: float
                      "before Communicator.create")
   ids = []
   wait_ms = int(max(60.0, 6 * timeout_s) * 1000)
-  for gi, g in enumerate(groups):
+  for gi, g in groups:
     key = f"jax_ep/comm/{seq}/group/{gi}"
     if g[0].process_index == me:
       uid = native.get_unique_id()
@@ -165,14 +168,15 @@ class Communicator:
     ax = mesh.axis_names.index(axis_name)
     groups = np.moveaxis(mesh.devices, ax, -1).reshape(-1, num_ranks)
     me = jax.process_index()
-    mine = [list(g) for g in groups if any(d.process_index == me for d in g)]
+    mine = [(gi, list(g)) for gi, g in enumerate(groups)
+            if any(d.process_index == me for d in g)]
     if not mine:
       raise ValueError("no device of this mesh belongs to this process")
     with _registry_lock:
       seq = next(_create_seq)
     uids = _share_unique_ids(mine, seq, timeout_s)
     specs = []
-    for uid, g in zip(uids, mine):
+    for uid, (_, g) in zip(uids, mine):
       ranks = [r for r, d in enumerate(g) if d.process_index == me]
       ordinals = [g[r].local_hardware_id for r in ranks]
       specs.append((uid, num_ranks, ranks, ordinals))

@@ -1,0 +1,142 @@
+"""Where the time of one normal dispatch / combine goes, kernel by kernel.
+
+Runs the Normal shape (bench_normal.Shape) through the CUDA backend under
+jax.profiler (CUPTI kernel activity), then reads the Perfetto trace back and
+prints, per GPU and per op, the median duration of each of our kernels, its
+median start offset inside the call, and the median span of a whole call
+(first kernel start to last kernel end). Launch gaps and barrier waits show
+up as the difference between offsets and durations.
+
+  python benchmarks/profile_normal.py [--tokens N] [--iters N] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_normal  # noqa: E402
+
+# First kernel of each op's launch sequence: a call starts there.
+_FIRST = {"dispatch": "DispatchPrepKernel", "combine": "CombineStartBarrierKernel"}
+
+
+def _short(name: str) -> str:
+  m = re.search(r"(\w+Kernel)", name)
+  return m.group(1) if m else name[:40]
+
+
+def _events(trace_dir: str) -> list[dict]:
+  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise RuntimeError(f"no .trace.json.gz under {trace_dir}")
+  with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
+    data = json.load(f)
+  evs = data["traceEvents"] if isinstance(data, dict) else data
+  pname = {e["pid"]: e["args"]["name"] for e in evs
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  out = []
+  for e in evs:
+    if e.get("ph") != "X" or "Kernel" not in e.get("name", ""):
+      continue
+    if not re.search(r"(Dispatch|Combine)\w*Kernel", e["name"]):
+      continue
+    out.append(dict(dev=pname.get(e["pid"], str(e["pid"])), name=_short(e["name"]),
+                    ts=float(e["ts"]), dur=float(e["dur"])))
+  return out
+
+
+def summarize(evs: list[dict], op: str) -> list[dict]:
+  first = _FIRST[op]
+  prefix = "Dispatch" if op == "dispatch" else "Combine"
+  rows = []
+  by_dev = collections.defaultdict(list)
+  for e in evs:
+    if e["name"].startswith(prefix):
+      by_dev[e["dev"]].append(e)
+  for dev, es in sorted(by_dev.items()):
+    es.sort(key=lambda e: e["ts"])
+    calls, cur = [], []
+    for e in es:
+      if e["name"] == first and cur:
+        calls.append(cur)
+        cur = []
+      cur.append(e)
+    if cur:
+      calls.append(cur)
+    calls = calls[1:] if len(calls) > 2 else calls  # the first call pays for warm-up
+    spans = [c[-1]["ts"] + c[-1]["dur"] - c[0]["ts"] for c in calls]
+    per = collections.defaultdict(lambda: ([], []))
+    for c in calls:
+      t0 = c[0]["ts"]
+      for e in c:
+        per[e["name"]][0].append(e["dur"])
+        per[e["name"]][1].append(e["ts"] - t0)
+    rows.append(dict(op=op, device=dev, calls=len(calls), span_us=statistics.median(spans),
+                     kernels={k: dict(dur_us=statistics.median(d), start_us=statistics.median(s))
+                              for k, (d, s) in per.items()}))
+  return rows
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--tokens", type=int, default=4096)
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  gpus = bench_normal.require_two_gpus("profile_normal")
+  if gpus is None:
+    return 2
+  import jax
+  from jax.sharding import Mesh
+  import jax_ep
+  from jax_ep._ffi_dispatch import window_bytes_needed
+
+  shape = bench_normal.Shape(tokens=args.tokens)
+  mesh = Mesh(np.array(gpus[:2]), ("ep",))
+  x, topk_idx, w = bench_normal._routing(jax.random.PRNGKey(0), shape)
+  smap = functools.partial(jax_ep.shard_map, mesh=mesh)
+  disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
+  nbytes = max(1 << 30, window_bytes_needed(num_ranks=2, tokens_per_rank=shape.tokens,
+                                            hidden=shape.hidden, topk=shape.topk,
+                                            num_experts=shape.experts))
+  rows = []
+  with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes):
+    out = jax.jit(smap(lambda x, i, w: disp(x, i, w, backend="cuda")))(x, topk_idx, w)
+    row_w = out.recv_topk_weights.max(axis=-1)
+    f_d = smap(lambda x, i, w: disp(x, i, w, backend="cuda").recv_x)
+    f_c = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, backend="cuda"))
+    for op, fn, a in (("dispatch", f_d, (x, topk_idx, w)),
+                      ("combine", f_c, (out.recv_x, out.handle, row_w))):
+      t = bench_normal._time_step(fn, a, iters=args.iters, repeats=3)
+      tdir = tempfile.mkdtemp(prefix=f"jax_ep_prof_{op}_")
+      with jax.profiler.trace(tdir, create_perfetto_trace=True):
+        bench_normal._time_step(fn, a, iters=args.iters, repeats=2)
+      for r in summarize(_events(tdir), op):
+        r["wall_us_per_call"] = t * 1e6
+        rows.append(r)
+  for r in rows:
+    print(f"{r['op']} {r['device']}: {r['calls']} calls, span {r['span_us']:.1f} us "
+          f"(wall {r['wall_us_per_call']:.1f} us/call)")
+    for k, v in sorted(r["kernels"].items(), key=lambda kv: kv[1]["start_us"]):
+      print(f"   {k:32s} start {v['start_us']:8.1f}  dur {v['dur_us']:8.1f}")
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_normal.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

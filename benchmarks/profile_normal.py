@@ -77,6 +77,10 @@ def summarize(evs: list[dict], op: str) -> list[dict]:
       calls.append(cur)
     calls = calls[1:] if len(calls) > 2 else calls  # the first call pays for warm-up
     spans = [c[-1]["ts"] + c[-1]["dur"] - c[0]["ts"] for c in calls]
+    # Start to start of consecutive calls: the GPU time per call in a chain,
+    # with whatever XLA runs between calls.
+    starts = [c[0]["ts"] for c in calls]
+    periods = [b - a for a, b in zip(starts, starts[1:])] or [float("nan")]
     per = collections.defaultdict(lambda: ([], []))
     for c in calls:
       t0 = c[0]["ts"]
@@ -84,6 +88,7 @@ def summarize(evs: list[dict], op: str) -> list[dict]:
         per[e["name"]][0].append(e["dur"])
         per[e["name"]][1].append(e["ts"] - t0)
     rows.append(dict(op=op, device=dev, calls=len(calls), span_us=statistics.median(spans),
+                     period_us=statistics.median(periods),
                      kernels={k: dict(dur_us=statistics.median(d), start_us=statistics.median(s))
                               for k, (d, s) in per.items()}))
   return rows
@@ -92,7 +97,7 @@ def summarize(evs: list[dict], op: str) -> list[dict]:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--tokens", type=int, default=4096)
-  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   gpus = bench_normal.require_two_gpus("profile_normal")
@@ -127,8 +132,8 @@ def main(argv=None) -> int:
         r["wall_us_per_call"] = t * 1e6
         rows.append(r)
   for r in rows:
-    print(f"{r['op']} {r['device']}: {r['calls']} calls, span {r['span_us']:.1f} us "
-          f"(wall {r['wall_us_per_call']:.1f} us/call)")
+    print(f"{r['op']} {r['device']}: {r['calls']} calls, span {r['span_us']:.1f} us, "
+          f"start-to-start {r['period_us']:.1f} us (wall {r['wall_us_per_call']:.1f} us/call)")
     for k, v in sorted(r["kernels"].items(), key=lambda kv: kv[1]["start_us"]):
       print(f"   {k:32s} start {v['start_us']:8.1f}  dur {v['dur_us']:8.1f}")
   if args.out:

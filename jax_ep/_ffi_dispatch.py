@@ -42,14 +42,15 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   """
   r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
   e_l = e // r
-  header = 4096
+  op_area = 4096 + 4 * 8 * 4096  # header + chunk counters (kOpAreaOffset)
   # dispatch
-  ok = header
+  ok = op_area
   counts = _align16(ok + 8 * r)
   scratch_ints = 16 + r + e + (r + 1) + r + (e_l + 1) + e_l + e_l * r
   scratch = _align16(counts + 8 * r * (2 + e_l))
   rie = _align16(scratch + 4 * scratch_ints)
-  recv = _align16(rie + 4 * t * k)
+  inv = _align16(rie + 4 * t * k)
+  recv = _align16(inv + 4 * r * t)
   payload = h * (1 if fp8 else x_bytes)
   scales_off = _align16(payload)
   meta_off = _align16(scales_off + 4 * (h // 128)) if fp8 else scales_off
@@ -57,7 +58,7 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   dispatch_end = recv + r * t * row
   # combine (both layouts)
   crow = _align16(h * y_bytes) + 16
-  crecv = _align16(header + 8 * r)
+  crecv = _align16(op_area + 8 * r)
   combine_end = crecv + max(t * k, r * t) * crow
   return max(dispatch_end, combine_end)
 

@@ -1,10 +1,11 @@
 // Normal (high-throughput) combine over LSA: the expert side pushes every row
 // (and its weight) back into the source rank's window, at a slot the source
 // can find without any index exchange: rank layout [my rank][pos_in_rank],
-// expert layout [token][k]. After a barrier, each source sums its slots in the
-// fixed order of DESIGN §2 (ascending destination rank, then local expert,
-// then k) in f32 with __fmul_rn / __fadd_rn (never contracted to FMA), which
-// is exactly jax_ep.reference.combine.
+// expert layout [token][k]. Reducers on the source wait per chunk of rows
+// (window_layout.h) and sum each token's rows in the fixed order of DESIGN §2
+// (ascending destination rank, then local expert, then k) in f32 with
+// __fmul_rn / __fadd_rn (never contracted to FMA), which is exactly
+// jax_ep.reference.combine, while later chunks are still in flight.
 //
 // Why not pre-reduce on the expert side: the sequential f32 sum of a token
 // crosses ranks (rank 1's rows are added onto rank 0's partial sum), so a
@@ -23,8 +24,12 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kPushThreads = 1024;
-constexpr int kReduceThreads = 512;  // 32 f32 accumulators per lane need > 64 registers
+// One block size for both roles of the data kernel: 32 warps, and the
+// reducer keeps kReduceUnroll vectors of two rows in flight so it stays
+// under 64 registers.
+constexpr int kThreads = 1024;
+constexpr int kReduceUnroll = 2;
+constexpr int kStartThreads = 1024;
 
 struct CombineCfg {
   int T, H, K, E, C;
@@ -44,18 +49,148 @@ struct CombineIO {
   void* out;
 };
 
-__global__ void CombineStartBarrierKernel(EpPeers p) {
-  if (threadIdx.x == 0) rank_barrier(p, Op::kCombine);
+// Counters are per (sender, chunk of the source's tokens / positions).
+__host__ __device__ __forceinline__ int CombineChunkRows(const CombineCfg& c) { return ChunkRows(c.T); }
+
+// One block: zero this op's counters, check that the handle describes a
+// dispatch of this communicator (so the senders never meet a row they cannot
+// place, and no receiver waits for a row that will not come), publish ok and
+// pass the start barrier. After it, every rank sees the same ok words, so
+// either all send or none does.
+__global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c, CombineWindow w,
+                                                                     EpPeers p, CombineIO io) {
+  __shared__ int s_bad;
+  __shared__ int s_sum;
+  const int R = p.nranks;
+  ZeroChunkCounters(p, NumChunks(c.T, CombineChunkRows(c)));
+  if (threadIdx.x == 0) {
+    s_bad = 0;
+    s_sum = 0;
+  }
+  __syncthreads();
+  if (!c.expert) {
+    if (threadIdx.x < R) {
+      const int n = io.recv_counts[threadIdx.x];
+      if (n < 0 || n > c.T) s_bad = 1;
+      atomicAdd(&s_sum, n);
+    }
+  } else {
+    bool bad = false;
+    for (int row = threadIdx.x; row < c.C; row += blockDim.x) {
+      const int s = io.src_rank[row];
+      if (s < 0) continue;
+      const int t = io.src_token[row], k = io.src_k[row];
+      bad |= s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
+    }
+    if (bad) s_bad = 1;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bool bad = s_bad != 0 || (!c.expert && s_sum > c.C);
+    if (bad) report_error(p, Op::kCombine, Cause::kBadIndex);
+    PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), Op::kCombine);
+  }
 }
 
-// One warp per received row: y[c] (+ weight) into the source's window slot.
-__global__ void __launch_bounds__(kPushThreads, 1) CombinePushKernel(CombineCfg c, CombineWindow w,
-                                                                      EpPeers p, CombineIO io) {
+// y row `row` into slot `slot` of `dst_base`'s window, weight after it.
+__device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const CombineWindow& w,
+                                               const CombineIO& io, char* dst_base, size_t slot,
+                                               int row) {
+  const int lane = LaneId();
+  const int nvec = static_cast<int>(w.payload_bytes / 16);
+  char* dst_row = dst_base + w.recv_off + slot * w.row_bytes;
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(io.y) + static_cast<size_t>(row) * w.payload_bytes);
+  for (int base = 0; base < nvec; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int idx = base + u * 32 + lane;
+      if (idx < nvec) v[u] = LdNcNa(src + idx);
+    }
+    StoreChunk(reinterpret_cast<uint4*>(dst_row), base, nvec, lane, v);
+  }
+  if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
+}
+
+// Sum the n rows listed by lanes 0..n-1 (lane i: row pointer and weight) in
+// list order, in f32 with separate roundings, into out. Two rows are loaded
+// before either is added, so each step has twice the loads in flight.
+template <typename TY, bool kHasW>
+__device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const char* my_row,
+                                           float my_w, uint4* out) {
+  constexpr int V = Vec16<TY>::N;
+  constexpr int U = kReduceUnroll;
+  const int lane = LaneId();
+  const int nvec = static_cast<int>(w.payload_bytes / 16);
+  // -0.0 is the exact additive identity (the reference starts there, since
+  // XLA folds 0 + p into p); a token with no rows gets +0.0.
+  const float init = n > 0 ? -0.f : 0.f;
+  for (int base = 0; base < nvec; base += 32 * U) {
+    float acc[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[u][e] = init;
+    for (int i = 0; i < n; i += 2) {
+      const bool two = i + 1 < n;
+      const uint4* r0 = reinterpret_cast<const uint4*>(ShflPtr(my_row, i));
+      const uint4* r1 = reinterpret_cast<const uint4*>(ShflPtr(my_row, two ? i + 1 : i));
+      const float w0 = __shfl_sync(kFullMask, my_w, i);
+      const float w1 = __shfl_sync(kFullMask, my_w, two ? i + 1 : i);
+      uint4 v0[U], v1[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int idx = base + u * 32 + lane;
+        v0[u] = idx < nvec ? LdV4(r0 + idx) : make_uint4(0, 0, 0, 0);
+        v1[u] = (two && idx < nvec) ? LdV4(r1 + idx) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float f[V];
+        Vec16<TY>::ToFloat(v0[u], f);
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          acc[u][e] = kHasW ? __fadd_rn(acc[u][e], __fmul_rn(w0, f[e])) : __fadd_rn(acc[u][e], f[e]);
+        if (two) {
+          Vec16<TY>::ToFloat(v1[u], f);
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            acc[u][e] = kHasW ? __fadd_rn(acc[u][e], __fmul_rn(w1, f[e])) : __fadd_rn(acc[u][e], f[e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int idx = base + u * 32 + lane;
+      if (idx < nvec) StNa(out + idx, Vec16<TY>::FromFloat(acc[u]));
+    }
+  }
+}
+
+// One kernel, two roles (as dispatch's data kernel):
+//  - CTAs [0, S) send every y row that belongs to another rank's token (and,
+//    in expert layout, this rank's own too) into the source's window slot
+//    (rank layout [me][pos], expert layout [t][k]), each counted on the
+//    source's chunk counter (chunk of pos, resp. of t).
+//  - CTAs [S, S + Q) reduce this rank's tokens in ascending order: each
+//    waits for the chunks its rows are in, then sums them in the fixed
+//    order of DESIGN §2 (ascending rank, then local expert, then k) with
+//    __fmul_rn / __fadd_rn, exactly jax_ep.reference.combine. In rank
+//    layout a token's own-rank row is read straight from y.
+template <typename TY, bool kHasW>
+__global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, CombineWindow w,
+                                                                  EpPeers p, CombineIO io,
+                                                                  int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
-  __shared__ int s_skip;
+  __shared__ int s_sent[kMaxRanks];  // rank layout: my tokens that rank j holds
+  __shared__ int s_ok;
   const int R = p.nranks, r = p.rank;
+  const int lane = LaneId();
+  constexpr int kWarps = kThreads / 32;
+  const bool sender = static_cast<int>(blockIdx.x) < send_blocks;
+  if (threadIdx.x < kMaxRanks) s_sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
-    s_skip = has_error(p);
+    s_ok = FirstPeerNotOk(p, w.ok_off) < 0;
     int acc = 0;
     for (int s = 0; s < R; ++s) {
       s_prefix[s] = acc;
@@ -64,160 +199,148 @@ __global__ void __launch_bounds__(kPushThreads, 1) CombinePushKernel(CombineCfg 
     s_prefix[R] = acc;
   }
   __syncthreads();
-  if (s_skip) return;  // failed rank: store nothing into peers' windows
-  const int lane = LaneId();
-  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
+  const bool ok = s_ok != 0;  // the same on every rank (start kernel)
+  const int chunk = CombineChunkRows(c);
   char* const lane_base = p.base[lane < R ? lane : 0];
-  const int nvec = static_cast<int>(w.payload_bytes / 16);
-  for (int row = warp; row < c.C; row += nwarps) {
-    const int s = io.src_rank[row];
-    if (s < 0) continue;
-    size_t slot = 0;
-    bool bad = s >= R;
+  char* const my = p.base[r];
+
+  if (!ok) {
+    // Nobody sends: every output token gets zeros (and an error is reported).
+    if (!sender) {
+      const int nvec = static_cast<int>(w.payload_bytes / 16);
+      for (int t = static_cast<int>(blockIdx.x - send_blocks) * kWarps + (threadIdx.x >> 5); t < c.T;
+           t += (gridDim.x - send_blocks) * kWarps) {
+        uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes);
+        for (int i = lane; i < nvec; i += 32) StNa(out + i, make_uint4(0, 0, 0, 0));
+      }
+    }
+    return;
+  }
+
+  if (sender) {
+    const int sw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+    const int nsw = send_blocks * kWarps;
     if (!c.expert) {
-      const int pos = bad ? -1 : row - s_prefix[s];
-      bad = bad || pos < 0 || row >= s_prefix[s + 1] || pos >= c.T;
-      slot = static_cast<size_t>(r) * c.T + pos;
+      int maxn = 0;
+      for (int j = 0; j < R; ++j) if (j != r) maxn = max(maxn, s_prefix[j + 1] - s_prefix[j]);
+      for (int pos = sw; pos < maxn; pos += nsw) {
+        for (int d = 1; d < R; ++d) {
+          const int j = (r + d) % R;
+          if (pos >= s_prefix[j + 1] - s_prefix[j]) continue;
+          char* const jbase = ShflPtr(lane_base, j);
+          SendCombineRow(c, w, io, jbase, static_cast<size_t>(r) * c.T + pos, s_prefix[j] + pos);
+          CountRowDone(ChunkCounter(jbase, r, pos / chunk));
+        }
+      }
     } else {
-      const int t = io.src_token[row], k = io.src_k[row];
-      bad = bad || t < 0 || t >= c.T || k < 0 || k >= c.K;
-      slot = static_cast<size_t>(t) * c.K + k;
-    }
-    if (bad) {  // the handle does not describe a dispatch of this communicator
-      if (lane == 0) report_error(p, Op::kCombine, Cause::kBadIndex);
-      continue;
-    }
-    char* dst_row = ShflPtr(lane_base, s) + w.recv_off + slot * w.row_bytes;
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(io.y) + static_cast<size_t>(row) * w.payload_bytes);
-    uint4* dst = reinterpret_cast<uint4*>(dst_row);
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        if (idx < nvec) v[u] = LdNcNa(src + idx);
+      for (int row = sw; row < c.C; row += nsw) {
+        const int s = io.src_rank[row];
+        if (s < 0) continue;
+        const int t = io.src_token[row], k = io.src_k[row];
+        char* const sbase = ShflPtr(lane_base, s);
+        SendCombineRow(c, w, io, sbase, static_cast<size_t>(t) * c.K + k, row);
+        CountRowDone(ChunkCounter(sbase, r, t / chunk));
       }
-      StoreChunk(dst, base, nvec, lane, v);
     }
-    if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
+    return;
   }
-  // As in DispatchPushKernel: the ok kernel's release does not cover this
-  // grid's weak NVLink stores, so each thread waits until its stores are
-  // performed system-wide before it exits.
-  __threadfence_system();
-}
 
-__global__ void CombineOkBarrierKernel(CombineWindow w, EpPeers p) {
-  if (threadIdx.x == 0) PublishOkAndBarrier(p, w.ok_off, !has_error(p), Op::kCombine);
-}
-
-// One warp per source token: list its slots in the reference order (lane i
-// holds the i-th slot), then sum them chunk by chunk.
-template <typename TY, bool kHasW>
-__global__ void __launch_bounds__(kReduceThreads, 1) CombineReduceKernel(CombineCfg c, CombineWindow w,
-                                                                          EpPeers p, CombineIO io) {
-  __shared__ int s_ok;
-  const int R = p.nranks;
-  char* const my = p.base[p.rank];
-  if (threadIdx.x == 0) {
-    int ok = !has_error(p);
-    const int bad = FirstPeerNotOk(p, w.ok_off);
-    if (ok && bad >= 0) {
-      ok = 0;
-      report_error(p, Op::kCombine, Cause::kPeerTimeout, 0x80u | static_cast<uint32_t>(bad));
+  // Reducers.
+  if (!c.expert) {
+    for (int i = threadIdx.x; i < c.T * R; i += blockDim.x) {
+      if (io.pos_in_rank[i] >= 0) atomicAdd(&s_sent[i % R], 1);
     }
-    s_ok = ok;
+    __syncthreads();
   }
-  __syncthreads();
-  constexpr int V = Vec16<TY>::N;
-  const int lane = LaneId();
-  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
-  const int nvec = static_cast<int>(w.payload_bytes / 16);
-  const bool ok = s_ok != 0;
-  for (int t = warp; t < c.T; t += nwarps) {
+  const int rw = static_cast<int>(blockIdx.x - send_blocks) * kWarps + static_cast<int>(threadIdx.x >> 5);
+  const int nrw = static_cast<int>(gridDim.x - send_blocks) * kWarps;
+  const unsigned long long t0 = globaltimer_ns();
+  for (int t = rw; t < c.T; t += nrw) {
     int n = 0;
-    size_t my_slot = 0;  // lane i: the i-th slot of token t
-    if (ok) {
-      if (!c.expert) {
-        const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
-        const unsigned mask = __ballot_sync(kFullMask, pos >= 0);
-        n = __popc(mask);
-        if (pos >= 0) my_slot = static_cast<size_t>(lane) * c.T + pos;
-        // Gather: list lane i takes the slot of the i-th set bit.
-        size_t gathered = 0;
-        for (int i = 0; i < n; ++i) {
-          const size_t v = __shfl_sync(kFullMask, my_slot, NthSetBit(mask, i));
-          if (lane == i) gathered = v;
-        }
-        my_slot = gathered;
-      } else {
-        const int id = lane < c.K ? io.topk[static_cast<size_t>(t) * c.K + lane] : -1;
-        const bool valid = id >= 0 && id < c.E;
-        const unsigned vmask = __ballot_sync(kFullMask, valid);
-        n = __popc(vmask);
-        // Order by (expert id, k): expert id ascending = rank then local expert.
-        const long long key = valid ? static_cast<long long>(id) * kMaxTopk + lane : -1;
-        int rank_in_order = 0;
-        for (int l = 0; l < c.K; ++l) {
-          const long long kl = __shfl_sync(kFullMask, key, l);
-          rank_in_order += (kl >= 0 && kl < key) ? 1 : 0;
-        }
-        size_t gathered = 0;
-        for (int i = 0; i < n; ++i) {
-          const unsigned who = __ballot_sync(kFullMask, valid && rank_in_order == i);
-          if (lane == i) gathered = static_cast<size_t>(t) * c.K + (__ffs(who) - 1);
-        }
-        my_slot = gathered;
+    const char* my_row = nullptr;  // lane i: the i-th row of token t, in sum order
+    float my_w = 1.f;
+    bool alive = true;
+    if (!c.expert) {
+      const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
+      const unsigned mask = __ballot_sync(kFullMask, pos >= 0);
+      n = __popc(mask);
+      // Wait for each remote chunk this token needs (in rank order).
+      for (unsigned m = mask & ~(1u << r); m && alive; m &= m - 1) {
+        const int j = __ffs(m) - 1;
+        const int pj = __shfl_sync(kFullMask, pos, j);
+        const int ch = pj / chunk;
+        const uint32_t expected = static_cast<uint32_t>(min(chunk, s_sent[j] - ch * chunk));
+        alive = WaitChunk(p, ChunkCounter(my, j, ch), expected, Op::kCombine, j, t0);
       }
+      const char* row = nullptr;
+      float wt = 1.f;
+      if (pos >= 0) {
+        if (lane == r) {
+          const int yrow = s_prefix[r] + pos;
+          row = static_cast<const char*>(io.y) + static_cast<size_t>(yrow) * w.payload_bytes;
+          if (kHasW) wt = io.weights[yrow];
+        } else {
+          row = my + w.recv_off + (static_cast<size_t>(lane) * c.T + pos) * w.row_bytes;
+          if (kHasW) wt = alive ? *reinterpret_cast<const float*>(row + w.weight_off) : 0.f;
+        }
+      }
+      // Gather: list lane i takes the row of the i-th set bit.
+      for (int i = 0; i < n; ++i) {
+        const int src = NthSetBit(mask, i);
+        const char* v = ShflPtr(row, src);
+        const float ww = __shfl_sync(kFullMask, wt, src);
+        if (lane == i) {
+          my_row = v;
+          my_w = ww;
+        }
+      }
+    } else {
+      const int id = lane < c.K ? io.topk[static_cast<size_t>(t) * c.K + lane] : -1;
+      const bool valid = id >= 0 && id < c.E;
+      const unsigned vmask = __ballot_sync(kFullMask, valid);
+      n = __popc(vmask);
+      // Rows expected in t's chunk from each rank: count the chunk's entries.
+      const int El = c.E / R;
+      const int c0 = (t / chunk) * chunk, c1 = min(c.T, c0 + chunk);
+      unsigned need = 0;  // bit j: some entry of this token is on rank j
+      if (valid) need = 1u << (id / El);
+      need = __reduce_or_sync(kFullMask, need);
+      for (unsigned m = need; m && alive; m &= m - 1) {
+        const int j = __ffs(m) - 1;
+        int cnt = 0;
+        for (int i = c0 * c.K + lane; i < c1 * c.K; i += 32) {
+          const int e = io.topk[i];
+          cnt += (e >= 0 && e < c.E && e / El == j) ? 1 : 0;
+        }
+        cnt = __reduce_add_sync(kFullMask, cnt);
+        alive = WaitChunk(p, ChunkCounter(my, j, t / chunk), static_cast<uint32_t>(cnt), Op::kCombine, j, t0);
+      }
+      // Order by (expert id, k): expert id ascending = rank then local expert.
+      const long long key = valid ? static_cast<long long>(id) * kMaxTopk + lane : -1;
+      int rank_in_order = 0;
+      for (int l = 0; l < c.K; ++l) {
+        const long long kl = __shfl_sync(kFullMask, key, l);
+        rank_in_order += (kl >= 0 && kl < key) ? 1 : 0;
+      }
+      for (int i = 0; i < n; ++i) {
+        const unsigned who = __ballot_sync(kFullMask, valid && rank_in_order == i);
+        if (lane == i) {
+          const int k = __ffs(who) - 1;
+          my_row = my + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
+        }
+      }
+      if (kHasW && lane < n && alive) my_w = *reinterpret_cast<const float*>(my_row + w.weight_off);
     }
     uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes);
-    // -0.0 is the exact additive identity (the reference starts there, since
-    // XLA folds 0 + p into p); a token with no rows gets +0.0.
-    const float init = n > 0 ? -0.f : 0.f;
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      float acc[kUnroll][V];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[u][e] = init;
-      for (int i = 0; i < n; ++i) {
-        const char* row = my + w.recv_off + __shfl_sync(kFullMask, my_slot, i) * w.row_bytes;
-        const uint4* src = reinterpret_cast<const uint4*>(row);
-        uint4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int idx = base + u * 32 + lane;
-          v[u] = idx < nvec ? LdV4(src + idx) : make_uint4(0, 0, 0, 0);
-        }
-        float wt = 1.f;
-        if constexpr (kHasW) wt = *reinterpret_cast<const float*>(row + w.weight_off);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[V];
-          Vec16<TY>::ToFloat(v[u], f);
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            if constexpr (kHasW) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(wt, f[e]));
-            else acc[u][e] = __fadd_rn(acc[u][e], f[e]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        if (idx < nvec) StNa(out + idx, Vec16<TY>::FromFloat(acc[u]));
-      }
-    }
+    ReduceRows<TY, kHasW>(w, alive ? n : 0, my_row, my_w, out);
   }
 }
 
 template <typename TY>
-void LaunchReduce(int blocks, cudaStream_t stream, const CombineCfg& c, const CombineWindow& w,
-                  const EpPeers& p, const CombineIO& io) {
-  if (c.has_w) CombineReduceKernel<TY, true><<<blocks, kReduceThreads, 0, stream>>>(c, w, p, io);
-  else CombineReduceKernel<TY, false><<<blocks, kReduceThreads, 0, stream>>>(c, w, p, io);
+void LaunchData(int grid, int send_blocks, cudaStream_t stream, const CombineCfg& c,
+                const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
+  if (c.has_w) CombineDataKernel<TY, true><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks);
+  else CombineDataKernel<TY, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks);
 }
 
 }  // namespace
@@ -258,17 +381,15 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
-  CombineStartBarrierKernel<<<1, 32, 0, stream>>>(p);
-  const int push_blocks = ChooseNumBlocks(a.num_sms, c.C, kPushThreads / 32, R);
-  const int skip = DiagSkipMask();
-  if (!(skip & 4)) CombinePushKernel<<<push_blocks, kPushThreads, 0, stream>>>(c, w, p, io);
-  CombineOkBarrierKernel<<<1, 32, 0, stream>>>(w, p);
-  const int reduce_blocks = LocalPhaseBlocks(ChooseNumBlocks(a.num_sms, c.T, kReduceThreads / 32, R));
-  if (skip & 8) return cudaGetLastError();
+  CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
+  int send_blocks = 0, recv_blocks = 0;
+  SplitDataBlocks(a.num_sms, c.T, kThreads / 32, R, &send_blocks, &recv_blocks);
+  if (recv_blocks == 0) recv_blocks = std::max(1, send_blocks / 2);  // one rank: reducers only matter
+  const int grid = send_blocks + recv_blocks;
   switch (a.y_dtype) {
-    case EpDtype::kBF16: LaunchReduce<__nv_bfloat16>(reduce_blocks, stream, c, w, p, io); break;
-    case EpDtype::kF16: LaunchReduce<__half>(reduce_blocks, stream, c, w, p, io); break;
-    default: LaunchReduce<float>(reduce_blocks, stream, c, w, p, io); break;
+    case EpDtype::kBF16: LaunchData<__nv_bfloat16>(grid, send_blocks, stream, c, w, p, io); break;
+    case EpDtype::kF16: LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
+    default: LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
   }
   return cudaGetLastError();
 }

@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCf
   const DispatchScratch sc(R, c.E);
   int* scratch = ScratchOf(p, w);
   int* rie = reinterpret_cast<int*>(p.base[p.rank] + w.rie_off);
+  int* inv = reinterpret_cast<int*>(p.base[p.rank] + w.inv_off);
   const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
   const unsigned lt = (1u << lane) - 1u;  // lanes below this one
   const bool aligned16 = (reinterpret_cast<uintptr_t>(topk) & 15u) == 0;
@@ -175,7 +176,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCf
       bool unused = false;
       const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, unused);
       const unsigned m = __ballot_sync(kFullMask, in);
-      if (t < t1) pos_in_rank[static_cast<size_t>(t) * R + j] = in ? off + __popc(m & lt) : -1;
+      if (t < t1) {
+        const int pos = in ? off + __popc(m & lt) : -1;
+        pos_in_rank[static_cast<size_t>(t) * R + j] = pos;
+        if (in) inv[static_cast<size_t>(j) * c.T + pos] = t;
+      }
       off += __popc(m);
     }
     if (threadIdx.x == 0) {
@@ -268,6 +273,10 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   const int nslots = c.expert ? w.counts_stride : 2;
   const int tid = threadIdx.x;
 
+  // This op's chunk counters start from zero; the barrier below publishes
+  // that before any peer can add (window_layout.h).
+  ZeroChunkCounters(p, NumChunks(c.T, ChunkRows(c.T)));
+  __syncthreads();
   // The status word is mapped host memory (a PCIe round trip): another warp
   // reads it while thread 0 is in the start barrier, instead of before it.
   if (tid == 32) s_err = has_error(p);
@@ -357,6 +366,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   if (tid == 0) {
     if (overflow) report_error(p, Op::kDispatch, Cause::kCapacityOverflow);
     scratch[DispatchScratch::kOk] = ok ? 1 : 0;
+    scratch[DispatchScratch::kSendOk] = fail ? 0 : 1;
     scratch[DispatchScratch::kTotal] = ok ? s_total : 0;
   }
   if (tid < R) {
@@ -368,192 +378,156 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   if (c.expert && tid < El) io.counts[tid] = ok ? padded : 0;
 }
 
-// ---------------------------------------------------------------- push
-// One warp per source token: load x[t] once (kUnroll 16-byte loads per lane
-// in flight), then store it into every destination's window row and, for this
-// rank, straight into the output rows. With kCast the warp quantises to FP8
-// on the way (a 128-channel block spans 128/V lanes of one load step).
-template <typename TIn, bool kCast, int kThreads>
-__global__ void __launch_bounds__(kThreads, 1) DispatchPushKernel(DispatchCfg c, DispatchWindow w,
-                                                                       EpPeers p, PushIO io) {
+// ---------------------------------------------------------------- data
+// One kernel, two roles, so that the window -> output copy runs behind the
+// link instead of after it:
+//  - CTAs [0, S) send. Warp w takes positions p = w, w + S*32, ... and, for
+//    each destination j (remote ones first, this rank last), the token sent
+//    there as row p (inv[j][p]): a remote row goes into slot [me][p] of j's
+//    window and is then counted on j's chunk counter [me][p / chunk]; a
+//    local row goes straight into the outputs.
+//  - CTAs [S, S + Q) receive. Warp w takes positions in the same strided
+//    order, waits until the row's chunk is complete and copies it from the
+//    window into the outputs (fanning out per local expert in expert layout).
+// Senders never wait, so the roles need not be co-resident.
+//
+// kSendOk (agreed by every rank in the control kernel) gates all sending and
+// waiting; kOk (this rank's own view: no overflow either) gates all writes
+// of outputs. A receiver that is not ok still drains its chunks, and the
+// whole grid zeroes the outputs at the end.
+
+// The row of token t that goes to rank j (a remote window row, or this
+// rank's outputs when j == my rank), payload cast to FP8 on the way if kCast.
+template <typename TIn, bool kCast>
+__device__ __forceinline__ void SendRow(const DispatchCfg& c, const DispatchWindow& w,
+                                        const EpPeers& p, const PushIO& io, const int* scratch,
+                                        const int* rie, int t, int j, int pos, char* jbase,
+                                        int local_prefix) {
   const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
-  const int* scratch = ScratchOf(p, w);
-  if (scratch[DispatchScratch::kOk] == 0) return;  // grid-uniform
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
-  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
-  const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
+  int id = -1, rv = -1;
+  float wt = 0.f;
+  if (lane < K) {
+    id = io.topk[static_cast<size_t>(t) * K + lane];
+    wt = io.topk_w[static_cast<size_t>(t) * K + lane];
+    if (c.expert) rv = rie[static_cast<size_t>(t) * K + lane];
+  }
+  const int drank = (id >= 0 && id < c.E) ? id / El : -1;
+  const bool remote = j != r;  // warp-uniform
+  char* const rrow = remote ? jbase + w.row(r, pos, c.T) : nullptr;
+  int local_row = -1;  // expert layout: output row of (t, lane) if its expert is here
+  if (!remote && c.expert && drank == r) local_row = scratch[sc.src_off + (id - r * El) * R + r] + rv;
+  const unsigned local_mask = remote ? 0u : __ballot_sync(kFullMask, local_row >= 0);
+  const int rank_row = (!remote && !c.expert) ? local_prefix + pos : -1;
+  const unsigned out_mask = local_mask | (rank_row >= 0 ? 1u : 0u);
+  char* const recv_x = static_cast<char*>(io.recv_x);
+  const int H128 = c.H / 128;
+
+  // Metadata (ids already converted for the destination).
+  if (remote) {
+    int* meta = reinterpret_cast<int*>(rrow + w.meta_off);
+    if (lane < K) {
+      const int lid = drank == j ? id - j * El : -1;
+      meta[lane] = lid;
+      reinterpret_cast<float*>(meta)[K + lane] = lid >= 0 ? wt : 0.f;
+      meta[2 * K + lane] = lid >= 0 ? rv : -1;
+    }
+    if (lane == 0) meta[3 * K] = t;
+  } else if (!c.expert) {
+    if (lane < K) {
+      const int lid = drank == r ? id - r * El : -1;
+      io.recv_topk_idx[static_cast<size_t>(rank_row) * K + lane] = lid;
+      io.recv_topk_w[static_cast<size_t>(rank_row) * K + lane] = lid >= 0 ? wt : 0.f;
+    }
+    if (lane == 0) {
+      io.src_rank[rank_row] = r;
+      io.src_token[rank_row] = t;
+      io.src_k[rank_row] = -1;
+    }
+  } else if (local_row >= 0) {
+    io.recv_topk_idx[local_row] = id - r * El;
+    io.recv_topk_w[local_row] = wt;
+    io.src_rank[local_row] = r;
+    io.src_token[local_row] = t;
+    io.src_k[local_row] = lane;
+  }
+  // Destination rows of this call: the remote row, or each local output row.
+  auto out_row = [&](unsigned m) -> char* {
+    const int o = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
+    return recv_x + static_cast<size_t>(o) * w.payload_bytes;
+  };
+  auto out_scales = [&](unsigned m) -> float* {
+    const int o = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
+    return io.recv_scales + static_cast<size_t>(o) * H128;
+  };
+
   const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
   const int nvec = static_cast<int>(in_row_bytes / 16);
-  const int H128 = c.H / 128;
-  const int local_prefix = scratch[sc.prefix + r];
-  char* recv_x = static_cast<char*>(io.recv_x);
-  // Indexing the by-value EpPeers with a runtime rank goes through local
-  // memory; do it once per thread, then move pointers between lanes.
-  char* const lane_base = p.base[lane < R ? lane : 0];
-
-  for (int t = warp; t < c.T; t += nwarps) {
-    const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
-    const unsigned dest_mask = __ballot_sync(kFullMask, pos >= 0);
-    const unsigned remote_mask = dest_mask & ~(1u << r);
-    int id = -1, rv = -1;
-    float wt = 0.f;
-    if (lane < K) {
-      id = io.topk[static_cast<size_t>(t) * K + lane];
-      wt = io.topk_w[static_cast<size_t>(t) * K + lane];
-      if (c.expert) rv = rie[static_cast<size_t>(t) * K + lane];
+  const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const char*>(io.x) + t * in_row_bytes);
+  for (int base = 0; base < nvec; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int idx = base + u * 32 + lane;
+      v[u] = idx < nvec ? LdNcNa(xrow + idx) : make_uint4(0, 0, 0, 0);
     }
-    const int drank = (id >= 0 && id < c.E) ? id / El : -1;
-    int local_row = -1;  // expert layout: output row of (t, lane) if its expert is here
-    if (c.expert && drank == r) local_row = scratch[sc.src_off + (id - r * El) * R + r] + rv;
-    const unsigned local_mask = __ballot_sync(kFullMask, local_row >= 0);
-    // Lane j < R holds the row this token occupies in rank j's window.
-    char* const lane_row = pos >= 0 ? lane_base + w.row(r, pos, c.T) : nullptr;
-    const int my_pos = __shfl_sync(kFullMask, pos, r);
-    const int rank_row = (!c.expert && my_pos >= 0) ? local_prefix + my_pos : -1;
-
-    // Metadata: remote rows (ids already converted for that destination).
-    for (unsigned m = remote_mask; m; m &= m - 1) {
-      const int j = __ffs(m) - 1;
-      int* meta = reinterpret_cast<int*>(ShflPtr(lane_row, j) + w.meta_off);
-      if (lane < K) {
-        const int lid = drank == j ? id - j * El : -1;
-        meta[lane] = lid;
-        reinterpret_cast<float*>(meta)[K + lane] = lid >= 0 ? wt : 0.f;
-        meta[2 * K + lane] = lid >= 0 ? rv : -1;
-      }
-      if (lane == 0) meta[3 * K] = t;
-    }
-    // Metadata: local output rows.
-    if (!c.expert) {
-      if (rank_row >= 0) {
-        if (lane < K) {
-          const int lid = drank == r ? id - r * El : -1;
-          io.recv_topk_idx[static_cast<size_t>(rank_row) * K + lane] = lid;
-          io.recv_topk_w[static_cast<size_t>(rank_row) * K + lane] = lid >= 0 ? wt : 0.f;
-        }
-        if (lane == 0) {
-          io.src_rank[rank_row] = r;
-          io.src_token[rank_row] = t;
-          io.src_k[rank_row] = -1;
-        }
-      }
-    } else if (local_row >= 0) {
-      io.recv_topk_idx[local_row] = id - r * El;
-      io.recv_topk_w[local_row] = wt;
-      io.src_rank[local_row] = r;
-      io.src_token[local_row] = t;
-      io.src_k[local_row] = lane;
-    }
-
-    // Payload.
-    const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const char*>(io.x) + t * in_row_bytes);
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
+    if constexpr (!kCast) {
+      if (remote) StoreChunk(reinterpret_cast<uint4*>(rrow), base, nvec, lane, v);
+      for (unsigned m = out_mask; m; m &= m - 1)
+        StoreChunk(reinterpret_cast<uint4*>(out_row(m)), base, nvec, lane, v);
+    } else {
+      constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
+      constexpr int LPB = kFp8Block / V; // lanes per 128-channel block
+      using QT = typename std::conditional<V == 8, uint2, uint32_t>::type;
+      QT q[kUnroll];
+      float s[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        v[u] = idx < nvec ? LdNcNa(xrow + idx) : make_uint4(0, 0, 0, 0);
+        float f[V];
+        Vec16<TIn>::ToFloat(v[u], f);
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+        for (int off = LPB / 2; off >= 1; off >>= 1)
+          amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+        s[u] = Fp8Scale(amax, c.ue8m0 != 0);
+        const float inv = __fdiv_rn(1.0f, s[u]);  // as jax_ep/fp8.py: q = x * (1 / s)
+        uint8_t b[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], inv);
+        memcpy(&q[u], b, sizeof(QT));
       }
-      if constexpr (!kCast) {
-        for (unsigned m = remote_mask; m; m &= m - 1) {
-          const int j = __ffs(m) - 1;
-          uint4* dst = reinterpret_cast<uint4*>(ShflPtr(lane_row, j));
-          StoreChunk(dst, base, nvec, lane, v);
-        }
-        for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
-          const int row = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
-          uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
-          StoreChunk(dst, base, nvec, lane, v);
-        }
-      } else {
-        constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
-        constexpr int LPB = kFp8Block / V; // lanes per 128-channel block
-        using QT = typename std::conditional<V == 8, uint2, uint32_t>::type;
-        QT q[kUnroll];
-        float s[kUnroll];
+      // Each lane's 16 input bytes become V output bytes at channel idx*V.
+      auto put = [&](char* row, float* srow) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          float f[V];
-          Vec16<TIn>::ToFloat(v[u], f);
-          float amax = 0.f;
-#pragma unroll
-          for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-          for (int off = LPB / 2; off >= 1; off >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-          s[u] = Fp8Scale(amax, c.ue8m0 != 0);
-          const float inv = __fdiv_rn(1.0f, s[u]);  // as jax_ep/fp8.py: q = x * (1 / s)
-          uint8_t b[V];
-#pragma unroll
-          for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], inv);
-          memcpy(&q[u], b, sizeof(QT));
-        }
-        // Each lane's 16 input bytes become V output bytes at channel idx*V.
-        for (unsigned m = remote_mask; m; m &= m - 1) {
-          const int j = __ffs(m) - 1;
-          char* row = ShflPtr(lane_row, j);
-          float* srow = reinterpret_cast<float*>(row + w.scales_off);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int idx = base + u * 32 + lane;
-            if (idx < nvec) {
-              reinterpret_cast<QT*>(row)[idx] = q[u];
-              if (lane % LPB == 0) srow[idx / LPB] = s[u];
-            }
+          const int idx = base + u * 32 + lane;
+          if (idx < nvec) {
+            reinterpret_cast<QT*>(row)[idx] = q[u];
+            if (lane % LPB == 0) srow[idx / LPB] = s[u];
           }
         }
-        for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
-          const int orow = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
-          char* row = recv_x + static_cast<size_t>(orow) * w.payload_bytes;
-          float* srow = io.recv_scales + static_cast<size_t>(orow) * H128;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int idx = base + u * 32 + lane;
-            if (idx < nvec) {
-              reinterpret_cast<QT*>(row)[idx] = q[u];
-              if (lane % LPB == 0) srow[idx / LPB] = s[u];
-            }
-          }
-        }
-      }
-    }
-    // FP8 input: the scales travel with the row.
-    if (!kCast && c.has_scales) {
-      const float* xs = io.x_scales + static_cast<size_t>(t) * H128;
-      for (unsigned m = remote_mask; m; m &= m - 1) {
-        const int j = __ffs(m) - 1;
-        float* srow = reinterpret_cast<float*>(ShflPtr(lane_row, j) + w.scales_off);
-        for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
-      }
-      for (unsigned m = local_mask | (rank_row >= 0 ? 1u : 0u); m; m &= m - 1) {
-        const int orow = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
-        float* srow = io.recv_scales + static_cast<size_t>(orow) * H128;
-        for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
-      }
+      };
+      if (remote) put(rrow, reinterpret_cast<float*>(rrow + w.scales_off));
+      for (unsigned m = out_mask; m; m &= m - 1) put(out_row(m), out_scales(m));
     }
   }
-  // The next kernel's release of the "ok" flag does not order THIS grid's
-  // weak NVLink stores: a kernel boundary only guarantees GPU-scope
-  // visibility, so a row still in flight could land after the peer passed
-  // the barrier (and after it reused that part of its window). Each thread
-  // waits for its own stores to be performed system-wide before it exits.
-  __threadfence_system();
+  // FP8 input: the scales travel with the row.
+  if (!kCast && c.has_scales) {
+    const float* xs = io.x_scales + static_cast<size_t>(t) * H128;
+    if (remote) {
+      float* srow = reinterpret_cast<float*>(rrow + w.scales_off);
+      for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
+    }
+    for (unsigned m = out_mask; m; m &= m - 1) {
+      float* srow = out_scales(m);
+      for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
+    }
+  }
 }
 
-// ---------------------------------------------------------------- ok + barrier
-// kOk already folds in every error this rank's dispatch can report (the
-// control kernel read the status word and set it after its barriers; the push
-// kernel reports nothing), and "ok" only says this rank's pushes are complete,
-// so the status word (a PCIe round trip) is not read again here.
-__global__ void DispatchOkBarrierKernel(DispatchWindow w, EpPeers p) {
-  if (threadIdx.x != 0) return;
-  const bool ok = ScratchOf(p, w)[DispatchScratch::kOk] != 0;
-  PublishOkAndBarrier(p, w.ok_off, ok, Op::kDispatch);
-}
-
-// ---------------------------------------------------------------- receive
 struct RowWriter {
   const DispatchCfg& c;
   const DispatchWindow& w;
@@ -585,126 +559,149 @@ struct RowWriter {
   }
 };
 
-__global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCfg c, DispatchWindow w,
-                                                                       EpPeers p, PushIO io) {
-  __shared__ int s_ok;
-  __shared__ int s_prefix[kMaxRanks + 1];
-  const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
+// Row p from source s (already complete in this rank's window) into the
+// outputs: rank layout row prefix[s] + p; expert layout one row per local
+// expert the token chose, at the sender's rie inside the (expert, s) block.
+__device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWindow& w,
+                                        const EpPeers& p, const PushIO& io, const int* scratch,
+                                        const int* s_prefix, int s, int pos) {
+  const int R = p.nranks, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
-  const int* scratch = ScratchOf(p, w);
-  if (threadIdx.x == 0) {
-    int ok = scratch[DispatchScratch::kOk] != 0 && !has_error(p);
-    const int bad = FirstPeerNotOk(p, w.ok_off);
-    if (ok && bad >= 0) {
-      ok = 0;
-      report_error(p, Op::kDispatch, Cause::kPeerTimeout, 0x80u | static_cast<uint32_t>(bad));
-    }
-    s_ok = ok;
-    for (int s = 0; s <= R; ++s) s_prefix[s] = scratch[sc.prefix + s];
-  }
-  __syncthreads();
   const int lane = LaneId();
-  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int nwarps = static_cast<int>((gridDim.x * blockDim.x) >> 5);
-  const RowWriter out{c, w, io, lane};
-  char* my = p.base[r];
+  const char* src = p.base[p.rank] + w.row(s, pos, c.T);
+  const int* meta = reinterpret_cast<const int*>(src + w.meta_off);
   char* recv_x = static_cast<char*>(io.recv_x);
   const int nvec = static_cast<int>(w.payload_bytes / 16);
   const int H128 = c.H / 128;
-
-  if (!s_ok) {
-    for (int row = warp; row < c.C; row += nwarps) out.Zero(row);
-    if (blockIdx.x == 0) {
-      if (threadIdx.x < R) io.recv_counts[threadIdx.x] = 0;
-      const int n = c.expert ? El : R;
-      for (int i = threadIdx.x; i < n; i += blockDim.x) io.counts[i] = 0;
-    }
-    return;
-  }
-
-  const int rows_total = s_prefix[R];  // token rows in our window (all sources, incl. ourselves)
+  const uint4* sv = reinterpret_cast<const uint4*>(src);
   if (!c.expert) {
-    for (int row = warp; row < c.C; row += nwarps) {
-      if (row >= rows_total) {
-        out.Zero(row);
-        continue;
-      }
-      int s = 0;
-      while (s + 1 < R && row >= s_prefix[s + 1]) ++s;
-      if (s == r) continue;  // written by the push kernel
-      const char* src = my + w.row(s, row - s_prefix[s], c.T);
-      const uint4* sv = reinterpret_cast<const uint4*>(src);
-      uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
-      for (int base = 0; base < nvec; base += 32 * kUnroll) {
-        uint4 v[kUnroll];
-        LoadChunk(sv, base, nvec, lane, v);
-        StoreChunk(dst, base, nvec, lane, v);
-      }
-      if (c.has_scales) {
-        const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
-        for (int i = lane; i < H128; i += 32) io.recv_scales[static_cast<size_t>(row) * H128 + i] = ss[i];
-      }
-      const int* meta = reinterpret_cast<const int*>(src + w.meta_off);
-      if (lane < K) {
-        io.recv_topk_idx[static_cast<size_t>(row) * K + lane] = meta[lane];
-        io.recv_topk_w[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const float*>(meta)[K + lane];
-      }
-      if (lane == 0) {
-        io.src_rank[row] = s;
-        io.src_token[row] = meta[3 * K];
-        io.src_k[row] = -1;
-      }
-    }
-    return;
-  }
-
-  // Expert layout: every remote token row fans out to one output row per
-  // (local expert, k) it chose; the row index comes from the sender's rie.
-  for (int n = warp; n < rows_total; n += nwarps) {
-    int s = 0;
-    while (s + 1 < R && n >= s_prefix[s + 1]) ++s;
-    if (s == r) continue;
-    const char* src = my + w.row(s, n - s_prefix[s], c.T);
-    const int* meta = reinterpret_cast<const int*>(src + w.meta_off);
-    int lid = -1, orow = -1;
-    if (lane < K) {
-      lid = meta[lane];
-      if (lid >= 0 && lid < El) orow = scratch[sc.src_off + lid * R + s] + meta[2 * K + lane];
-    }
-    const unsigned omask = __ballot_sync(kFullMask, orow >= 0);
-    const int tok = meta[3 * K];
-    if (orow >= 0) {
-      io.recv_topk_idx[orow] = lid;
-      io.recv_topk_w[orow] = reinterpret_cast<const float*>(meta)[K + lane];
-      io.src_rank[orow] = s;
-      io.src_token[orow] = tok;
-      io.src_k[orow] = lane;
-    }
-    const uint4* sv = reinterpret_cast<const uint4*>(src);
+    const int row = s_prefix[s] + pos;
+    uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
     for (int base = 0; base < nvec; base += 32 * kUnroll) {
       uint4 v[kUnroll];
       LoadChunk(sv, base, nvec, lane, v);
-      for (unsigned m = omask; m; m &= m - 1) {
-        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
-        uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes);
-        StoreChunk(dst, base, nvec, lane, v);
-      }
+      StoreChunk(dst, base, nvec, lane, v);
     }
     if (c.has_scales) {
       const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
-      for (unsigned m = omask; m; m &= m - 1) {
-        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
-        float* srow = io.recv_scales + static_cast<size_t>(o) * H128;
-        for (int i = lane; i < H128; i += 32) srow[i] = ss[i];
+      for (int i = lane; i < H128; i += 32) io.recv_scales[static_cast<size_t>(row) * H128 + i] = ss[i];
+    }
+    if (lane < K) {
+      io.recv_topk_idx[static_cast<size_t>(row) * K + lane] = meta[lane];
+      io.recv_topk_w[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const float*>(meta)[K + lane];
+    }
+    if (lane == 0) {
+      io.src_rank[row] = s;
+      io.src_token[row] = meta[3 * K];
+      io.src_k[row] = -1;
+    }
+    return;
+  }
+  int lid = -1, orow = -1;
+  if (lane < K) {
+    lid = meta[lane];
+    if (lid >= 0 && lid < El) orow = scratch[sc.src_off + lid * R + s] + meta[2 * K + lane];
+  }
+  const unsigned omask = __ballot_sync(kFullMask, orow >= 0);
+  const int tok = meta[3 * K];
+  if (orow >= 0) {
+    io.recv_topk_idx[orow] = lid;
+    io.recv_topk_w[orow] = reinterpret_cast<const float*>(meta)[K + lane];
+    io.src_rank[orow] = s;
+    io.src_token[orow] = tok;
+    io.src_k[orow] = lane;
+  }
+  for (int base = 0; base < nvec; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+    LoadChunk(sv, base, nvec, lane, v);
+    for (unsigned m = omask; m; m &= m - 1) {
+      const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+      StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
+    }
+  }
+  if (c.has_scales) {
+    const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
+    for (unsigned m = omask; m; m &= m - 1) {
+      const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+      float* srow = io.recv_scales + static_cast<size_t>(o) * H128;
+      for (int i = lane; i < H128; i += 32) srow[i] = ss[i];
+    }
+  }
+}
+
+template <typename TIn, bool kCast, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c, DispatchWindow w,
+                                                                   EpPeers p, PushIO io,
+                                                                   int send_blocks) {
+  __shared__ int s_prefix[kMaxRanks + 1];
+  const int R = p.nranks, r = p.rank;
+  const DispatchScratch sc(R, c.E);
+  const int* scratch = ScratchOf(p, w);
+  if (threadIdx.x <= R) s_prefix[threadIdx.x] = scratch[sc.prefix + threadIdx.x];
+  __syncthreads();
+  const bool send_ok = scratch[DispatchScratch::kSendOk] != 0;  // grid-uniform
+  const bool ok = scratch[DispatchScratch::kOk] != 0;           // grid-uniform
+  const int lane = LaneId();
+  constexpr int kWarps = kThreads / 32;
+  const int gwarp = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+  const int gwarps = static_cast<int>(gridDim.x) * kWarps;
+  const RowWriter out{c, w, io, lane};
+  const int chunk = ChunkRows(c.T);
+
+  // Padding and tail rows are not data rows of anyone: fill them first.
+  if (ok) {
+    if (!c.expert) {
+      for (int row = s_prefix[R] + gwarp; row < c.C; row += gwarps) out.Zero(row);
+    } else {
+      for (int e = gwarp; e < c.El; e += gwarps) {
+        const int end = scratch[sc.group_off + e + 1];
+        for (int row = scratch[sc.group_off + e] + scratch[sc.group_size + e]; row < end; ++row) out.Zero(row);
+      }
+      for (int row = scratch[sc.group_off + c.El] + gwarp; row < c.C; row += gwarps) out.Zero(row);
+    }
+  }
+
+  if (send_ok && static_cast<int>(blockIdx.x) < send_blocks) {
+    const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
+    const int* inv = reinterpret_cast<const int*>(p.base[r] + w.inv_off);
+    // Indexing the by-value EpPeers with a runtime rank goes through local
+    // memory; do it once per thread, then move pointers between lanes.
+    char* const lane_base = p.base[lane < R ? lane : 0];
+    int maxn = 0;
+    for (int j = 0; j < R; ++j) maxn = max(maxn, scratch[sc.tokens_per_rank + j]);
+    for (int pos = gwarp; pos < maxn; pos += send_blocks * kWarps) {
+      for (int d = 0; d < R; ++d) {
+        const int j = (r + 1 + d) % R;  // remote destinations first, this rank last
+        if (pos >= scratch[sc.tokens_per_rank + j] || (j == r && !ok)) continue;
+        const int t = inv[static_cast<size_t>(j) * c.T + pos];
+        char* const jbase = ShflPtr(lane_base, j);
+        SendRow<TIn, kCast>(c, w, p, io, scratch, rie, t, j, pos, jbase, s_prefix[r]);
+        if (j != r) CountRowDone(ChunkCounter(jbase, r, pos / chunk));
+      }
+    }
+  } else if (send_ok) {
+    const int rwarp = gwarp - send_blocks * kWarps;
+    const int nrw = gwarps - send_blocks * kWarps;
+    int maxn = 0;
+    for (int s = 0; s < R; ++s) if (s != r) maxn = max(maxn, s_prefix[s + 1] - s_prefix[s]);
+    const unsigned long long t0 = globaltimer_ns();
+    bool alive = true;
+    for (int pos = rwarp; pos < maxn && alive; pos += nrw) {
+      for (int d = 1; d < R && alive; ++d) {
+        const int s = (r - d + R) % R;  // the source that sends to us first, first
+        const int n = s_prefix[s + 1] - s_prefix[s];
+        if (pos >= n) continue;
+        const int ch = pos / chunk;
+        const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
+        alive = WaitChunk(p, ChunkCounter(p.base[r], s, ch), expected, Op::kDispatch, s, t0);
+        if (alive && ok) RecvRow(c, w, p, io, scratch, s_prefix, s, pos);
       }
     }
   }
-  // Padding rows inside each group, then the tail after the last group.
-  for (int e = warp; e < El; e += nwarps) {
-    const int end = scratch[sc.group_off + e + 1];
-    for (int row = scratch[sc.group_off + e] + scratch[sc.group_size + e]; row < end; ++row) out.Zero(row);
+
+  if (!ok) {
+    for (int row = gwarp; row < c.C; row += gwarps) out.Zero(row);
   }
-  for (int row = scratch[sc.group_off + El] + warp; row < c.C; row += nwarps) out.Zero(row);
 }
 
 }  // namespace
@@ -716,16 +713,6 @@ __global__ void __launch_bounds__(kDataThreads, 1) DispatchRecvKernel(DispatchCf
 static int EnvInt(const char* name) {
   const char* env = std::getenv(name);
   return env ? std::atoi(env) : 0;
-}
-
-int DiagSkipMask() {
-  static const int mask = EnvInt("JAX_EP_DIAG_SKIP");
-  return mask;
-}
-
-int LocalPhaseBlocks(int model_choice) {
-  static const int n = EnvInt("JAX_EP_LOCAL_SMS");
-  return n > 0 ? n : model_choice;
 }
 
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
@@ -747,6 +734,21 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
   return std::max(1, std::min(cap, needed));
+}
+
+void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
+                     int* send_blocks, int* recv_blocks) {
+  const int total = ChooseNumBlocks(requested, work_items, warps_per_block, num_ranks);
+  static const int env_recv = EnvInt("JAX_EP_RECV_SMS");
+  int q = 0;
+  if (num_ranks > 1) {
+    // Receivers copy (or reduce) what the link brings in, HBM to HBM at a
+    // few times the link's rate per SM: a third of the CTAs keeps up.
+    q = env_recv > 0 ? env_recv : std::max(1, total / 3);
+    if (env_recv <= 0 && total > 1) q = std::min(q, total - 1);
+  }
+  *recv_blocks = q;
+  *send_blocks = std::max(1, total - (env_recv > 0 ? 0 : q));
 }
 
 size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales) {
@@ -806,25 +808,21 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 
-  const int skip = DiagSkipMask();
-  const int push_blocks = ChooseNumBlocks(a.num_sms, c.T, kDataThreads / 32, R);
-  // The casting variants need ~80 registers: 512 threads per CTA keeps them
-  // out of local memory (same CTA count, half the loads in flight).
-  const int cast_blocks = ChooseNumBlocks(a.num_sms, c.T, kCastThreads / 32, R);
-  if (skip & 1) {
-  } else if (!a.cast_fp8) {
-    DispatchPushKernel<uint8_t, false, kDataThreads><<<push_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
+  // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
+  const bool cast = a.cast_fp8;
+  const int threads = cast ? kCastThreads : kDataThreads;
+  int send_blocks = 0, recv_blocks = 0;
+  SplitDataBlocks(a.num_sms, c.T, threads / 32, R, &send_blocks, &recv_blocks);
+  const int grid = send_blocks + recv_blocks;
+  if (!cast) {
+    DispatchDataKernel<uint8_t, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else if (a.x_dtype == EpDtype::kBF16) {
-    DispatchPushKernel<__nv_bfloat16, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
+    DispatchDataKernel<__nv_bfloat16, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else if (a.x_dtype == EpDtype::kF16) {
-    DispatchPushKernel<__half, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
+    DispatchDataKernel<__half, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else {
-    DispatchPushKernel<float, true, kCastThreads><<<cast_blocks, kCastThreads, 0, stream>>>(c, w, p, io);
+    DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   }
-  DispatchOkBarrierKernel<<<1, 32, 0, stream>>>(w, p);
-  const int recv_blocks =
-      LocalPhaseBlocks(ChooseNumBlocks(a.num_sms, std::max(c.C, R * c.T), kDataThreads / 32, R));
-  if (!(skip & 2)) DispatchRecvKernel<<<recv_blocks, kDataThreads, 0, stream>>>(c, w, p, io);
   return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "common.cuh"
+#include "window_layout.h"
 
 namespace jax_ep {
 
@@ -103,6 +104,59 @@ __device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool
   }
   __threadfence_system();
   rank_barrier(p, op);
+}
+
+// ---------------------------------------------------------------- chunk counters
+// See window_layout.h. Counter of chunk c from source `src` in `owner`'s window.
+__device__ __forceinline__ uint32_t* ChunkCounter(char* owner_base, int src, int c) {
+  return reinterpret_cast<uint32_t*>(owner_base + kChunkCountersOffset) +
+         static_cast<size_t>(src) * kChunksPerSource + c;
+}
+
+// Zero the counters that sources may use in this op (n chunks each). The
+// caller fences and passes a rank barrier before any peer adds again.
+__device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
+  uint32_t* c0 = ChunkCounter(p.base[p.rank], 0, 0);
+  for (int i = threadIdx.x; i < p.nranks * kChunksPerSource; i += blockDim.x) {
+    if (i % kChunksPerSource < n) c0[i] = 0u;
+  }
+}
+
+// The warp has finished storing one row of chunk `counter`: make the row
+// visible system-wide, then count it. bar.warp.sync orders the other lanes'
+// stores before lane 0's fence, which is cumulative.
+__device__ __forceinline__ void CountRowDone(uint32_t* counter) {
+  __syncwarp();
+  if (LaneId() == 0) {
+    __threadfence_system();
+    asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  }
+}
+
+// Warp-wide wait until `counter` reaches `expected` (acquire; the warp may
+// then load the chunk's rows). False after reporting a timeout. The status
+// word is not looked at: a wait only happens once every rank has agreed to
+// send, and a receiver that has failed on its own must still drain the
+// chunks (late adds would corrupt the next op's counters).
+__device__ inline bool WaitChunk(const EpPeers& p, const uint32_t* counter, uint32_t expected,
+                                 Op op, int src, unsigned long long t0) {
+  int ok = 1;
+  if (LaneId() == 0) {
+    unsigned polls = 0;
+    for (;;) {
+      uint32_t v;
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+      if (v >= expected) break;
+      if ((++polls & 63u) == 0u && globaltimer_ns() - t0 > p.timeout_ns) {
+        report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(src));
+        ok = 0;
+        break;
+      }
+    }
+  }
+  ok = __shfl_sync(kFullMask, ok, 0);
+  __syncwarp();
+  return ok != 0;
 }
 
 // After PublishOkAndBarrier: did every source publish ok for this epoch?

@@ -3,13 +3,16 @@
 // f32 order for combine). Window layout: window_layout.h.
 //
 // Both ops are a short sequence of kernels on one stream (a kernel boundary
-// is the grid barrier; a few µs each, no co-residency assumptions):
-//   dispatch: prep (pos_in_rank, per-expert ranks)  -> control (start barrier,
-//             counts exchange, barrier, offsets, capacity) -> push (rows into
-//             peers' windows, local rows straight to the outputs) -> publish
-//             ok + barrier -> receive (window rows to outputs, padding).
-//   combine:  start barrier -> push (rows back to their source's window) ->
-//             publish ok + barrier -> reduce (fixed-order f32 sum per token).
+// is the grid barrier; a few µs each):
+//   dispatch: prep (pos_in_rank, per-expert ranks, the row -> token maps) ->
+//             control (zero chunk counters, start barrier, counts exchange,
+//             barrier, offsets, capacity) -> data (sending CTAs push rows
+//             into peers' windows and local rows to the outputs; receiving
+//             CTAs copy each chunk of window rows to the outputs as soon as
+//             its count is complete).
+//   combine:  start (zero chunk counters, check the handle, publish ok,
+//             barrier) -> data (sending CTAs push rows back to their source's
+//             window; reducing CTAs sum each token once its chunks are in).
 #pragma once
 
 #include <cstddef>
@@ -21,15 +24,11 @@
 
 namespace jax_ep {
 
-// Diagnostics for performance work only (wrong results when set): bit mask of
-// phases to skip, from JAX_EP_DIAG_SKIP (1 dispatch push, 2 dispatch receive,
-// 4 combine push, 8 combine reduce). Barriers always run, so both ranks stay
-// in step. Read once per process.
-int DiagSkipMask();
-// JAX_EP_LOCAL_SMS: CTAs for the phases that only copy within this GPU
-// (dispatch receive, combine reduce); 0 = the bandwidth model's choice.
-int LocalPhaseBlocks(int model_choice);
-
+// JAX_EP_RECV_SMS: CTAs of the data kernels that receive (dispatch) or
+// reduce (combine); 0 = a third of the CTAs the model picks. Read once.
+// Splits the data kernel's CTAs into senders and receivers.
+void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
+                     int* send_blocks, int* recv_blocks);
 
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };

@@ -1,11 +1,22 @@
 // Where normal dispatch / combine put their data inside the symmetric window.
 //
-// Every rank's window is [runtime header (kWindowHeaderBytes)] [op area]. The
-// op area is shared by all ops; that is safe because every dispatch / combine
-// starts with a rank barrier before its first store into a peer's window, so
-// a peer can never still be reading the previous op's data there.
+// Every rank's window is [runtime header (kWindowHeaderBytes)] [chunk
+// counters] [op area]. The op area is shared by all ops; that is safe because
+// every dispatch / combine starts with a rank barrier before its first store
+// into a peer's window, so a peer can never still be reading the previous
+// op's data there.
 //
-// Dispatch op area (offsets from the window base, all 16-byte aligned):
+// Chunk counters (u32 [kMaxRanks][kChunksPerSource], a fixed region so that
+// nothing but counters is ever written there): counter [s][c] of a rank counts
+// the rows of chunk c that source s has finished storing into this window in
+// the current op. Senders add 1 per row after a system fence; receivers wait
+// for the full count, so they copy / reduce each chunk while later chunks are
+// still crossing the link. Each op zeroes its own counters before its first
+// barrier; peers only add after that barrier, and the previous op's adds had
+// all landed (its receiver waited for them) before the zeroing.
+//
+// Dispatch op area (offsets from the window base, all 16-byte aligned, from
+// kOpAreaOffset on):
 //   ok      u64[R]            tagged "my pushes are complete" word per source
 //   counts  u64[R][2 + E_l]   per source: [0] token rows it sends here, [1]
 //                             (t, k) entries, [2 + e] entries for local
@@ -15,6 +26,8 @@
 //                             peer): DispatchScratch below
 //   rie     i32[T][K]         rank of (t, k) among this rank's entries that
 //                             chose the same expert (expert layout)
+//   inv     i32[R][T]         inv[j][p] = the token whose row is the p-th
+//                             this rank sends to rank j (sender side)
 //   recv    rows[R][T]        row [s][p] = the p-th token of source s that
 //                             comes here; a source writes its own rows at
 //                             known offsets, so it needs nothing from us.
@@ -23,7 +36,7 @@
 // expert id or -1, already converted by the sender for this destination),
 // weights[K] f32 (0 where id -1), rie[K] i32, src token i32, padded to 16.
 //
-// Combine op area:
+// Combine op area (from kOpAreaOffset on):
 //   ok      u64[R]
 //   recv    rows[R][T] (rank layout, slot [j][pos_in_rank[t, j]]) or
 //           rows[T][K] (expert layout, slot [t][k])
@@ -32,7 +45,7 @@
 //
 // Bytes the window needs (see WindowBytesNeeded; mirrored in Python by
 // jax_ep._ffi_dispatch.window_bytes_needed):
-//   header 4096 + max(dispatch_op_bytes, combine_op_bytes)
+//   header 4096 + counters 128 KiB + max(dispatch_op_bytes, combine_op_bytes)
 // with, for the normal shape (R=2, T=4096, H=7168, K=8, E=256, bf16):
 //   dispatch = 2*4096*(14336 + 112) + small ≈ 118.5 MB,
 //   combine expert layout = 4096*8*(14336 + 16) ≈ 470 MB (rank layout 118 MB).
@@ -49,12 +62,29 @@ namespace jax_ep {
 
 JAX_EP_HD size_t Align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15); }
 
+constexpr int kChunksPerSource = 4096;
+constexpr size_t kChunkCountersOffset = kWindowHeaderBytes;
+constexpr size_t kOpAreaOffset =
+    kChunkCountersOffset + 4 * static_cast<size_t>(kMaxRanks) * kChunksPerSource;
+
+// Rows per chunk when a source sends at most `max_rows` rows to one rank:
+// 32 rows (~450 KB of BF16 H=7168 rows) keeps the receiver a few µs behind the
+// sender; longer chunks only when the counters would not fit.
+JAX_EP_HD int ChunkRows(long long max_rows) {
+  const long long need = (max_rows + kChunksPerSource - 1) / kChunksPerSource;
+  return static_cast<int>(need > 32 ? need : 32);
+}
+JAX_EP_HD int NumChunks(long long rows, int chunk_rows) {
+  return static_cast<int>((rows + chunk_rows - 1) / chunk_rows);
+}
+
 // Layout of the i32 scratch a rank keeps for itself during a dispatch.
 struct DispatchScratch {
   // Fixed slots.
   static constexpr int kOk = 0;          // 1: this op may write outputs
   static constexpr int kTotal = 1;       // rows written (rank: sum counts; expert: padded sum)
   static constexpr int kBadIds = 2;      // set by the prep kernel
+  static constexpr int kSendOk = 3;      // 1: every rank agreed to send (counts exchanged)
   static constexpr int kFixed = 16;
   // Arrays (i32 offsets into scratch).
   int tokens_per_rank;     // [R]   sender side: tokens this rank sends to j
@@ -81,7 +111,7 @@ struct DispatchScratch {
 };
 
 struct DispatchWindow {
-  size_t ok_off, counts_off, scratch_off, rie_off, recv_off;
+  size_t ok_off, counts_off, scratch_off, rie_off, inv_off, recv_off;
   size_t payload_bytes;  // H * elem
   size_t scales_off;     // inside a row (FP8 only; == meta_off otherwise)
   size_t meta_off;       // inside a row
@@ -92,11 +122,12 @@ struct DispatchWindow {
   JAX_EP_HD DispatchWindow(int R, int T, int H, int K, int E, int elem_bytes, bool fp8_scales) {
     const int El = E / R;
     counts_stride = 2 + El;
-    ok_off = kWindowHeaderBytes;
+    ok_off = kOpAreaOffset;
     counts_off = Align16(ok_off + 8 * static_cast<size_t>(R));
     scratch_off = Align16(counts_off + 8 * static_cast<size_t>(R) * counts_stride);
     rie_off = Align16(scratch_off + 4 * static_cast<size_t>(DispatchScratch(R, E).count));
-    recv_off = Align16(rie_off + 4 * static_cast<size_t>(T) * K);
+    inv_off = Align16(rie_off + 4 * static_cast<size_t>(T) * K);
+    recv_off = Align16(inv_off + 4 * static_cast<size_t>(R) * T);
     payload_bytes = static_cast<size_t>(H) * elem_bytes;
     scales_off = Align16(payload_bytes);
     meta_off = fp8_scales ? Align16(scales_off + 4 * static_cast<size_t>(H / 128)) : scales_off;
@@ -114,7 +145,7 @@ struct CombineWindow {
   int slots_per_block;  // rank layout: T (slot = j*T + pos); expert: K (slot = t*K + k)
 
   JAX_EP_HD CombineWindow(int R, int T, int H, int K, int elem_bytes, bool expert_layout) {
-    ok_off = kWindowHeaderBytes;
+    ok_off = kOpAreaOffset;
     recv_off = Align16(ok_off + 8 * static_cast<size_t>(R));
     payload_bytes = static_cast<size_t>(H) * elem_bytes;
     weight_off = Align16(payload_bytes);

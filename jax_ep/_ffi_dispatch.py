@@ -58,7 +58,7 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   dispatch_end = recv + r * t * row
   # combine (both layouts)
   crow = _align16(h * y_bytes) + 16
-  crecv = _align16(op_area + 8 * r)
+  crecv = _align16(op_area + 16 * r)
   combine_end = crecv + max(t * k, r * t) * crow
   return max(dispatch_end, combine_end)
 

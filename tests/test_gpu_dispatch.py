@@ -248,3 +248,30 @@ def test_thousand_repetitions_no_drift_no_hang(comm):
   comm.check()
   assert np.all(np.asarray(bad) == 0), f"elements differing from the first call: {bad}"
   assert np.any(np.asarray(first, np.float32) != 0)
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_combine_after_failed_dispatch_reports_without_stalling(comm, layout):
+  """A dispatch that overflowed leaves a handle whose rows never went out.
+  Combining with it must report an error quickly (not wait for rows until
+  the peer timeout), and the next correct dispatch -> combine must work."""
+  import time
+  rng = np.random.default_rng(19)
+  R, T, H, K, E = comm.num_ranks, 64, 256, 4, 16
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+
+  def run(backend, **kw):
+    def once(x, i, w):
+      o = jax_ep.dispatch(x, i, w, num_experts=E, layout=layout, backend=backend, **kw)
+      return jax_ep.combine(o.recv_x, o.handle, backend=backend)
+    f = h.per_rank_jit(comm.mesh, once)
+    return jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w))))
+
+  run("cuda", capacity=8)  # compiles
+  t0 = time.perf_counter()
+  run("cuda", capacity=8)
+  elapsed = time.perf_counter() - t0
+  with pytest.raises(Exception, match="(?i)capacity|index"):
+    comm.check()
+  assert elapsed < 5.0, f"combine after a failed dispatch took {elapsed:.1f} s (peer timeout?)"
+  _assert_same(run("cuda"), run("reference"), "dispatch -> combine after the failed pair")

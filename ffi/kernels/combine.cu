@@ -54,25 +54,30 @@ __host__ __device__ __forceinline__ int CombineChunkRows(const CombineCfg& c) { 
 
 // One block: zero this op's counters, check that the handle describes a
 // dispatch of this communicator (so the senders never meet a row they cannot
-// place, and no receiver waits for a row that will not come), publish ok and
-// pass the start barrier. After it, every rank sees the same ok words, so
-// either all send or none does.
+// place), tell every rank how many rows it will get from us, publish ok and
+// pass the start barrier. After it every rank sees the same ok words, so
+// either all send or none does; a receiver whose handle expects other row
+// counts than announced (e.g. this rank's dispatch failed) drains what comes
+// and reports instead of waiting for rows that never come.
 __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c, CombineWindow w,
                                                                      EpPeers p, CombineIO io) {
   __shared__ int s_bad;
   __shared__ int s_sum;
-  const int R = p.nranks;
+  __shared__ int s_send[kMaxRanks];
+  const int R = p.nranks, r = p.rank;
   ZeroChunkCounters(p, NumChunks(c.T, CombineChunkRows(c)));
   if (threadIdx.x == 0) {
     s_bad = 0;
     s_sum = 0;
   }
+  if (threadIdx.x < kMaxRanks) s_send[threadIdx.x] = 0;
   __syncthreads();
   if (!c.expert) {
     if (threadIdx.x < R) {
       const int n = io.recv_counts[threadIdx.x];
       if (n < 0 || n > c.T) s_bad = 1;
       atomicAdd(&s_sum, n);
+      if (static_cast<int>(threadIdx.x) != r) s_send[threadIdx.x] = n;
     }
   } else {
     bool bad = false;
@@ -80,14 +85,21 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
       const int s = io.src_rank[row];
       if (s < 0) continue;
       const int t = io.src_token[row], k = io.src_k[row];
-      bad |= s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
+      const bool b = s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
+      bad |= b;
+      if (!b) atomicAdd(&s_send[s], 1);
     }
     if (bad) s_bad = 1;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    bool bad = s_bad != 0 || (!c.expert && s_sum > c.C);
+    const bool bad = s_bad != 0 || (!c.expert && s_sum > c.C);
     if (bad) report_error(p, Op::kCombine, Cause::kBadIndex);
+    const uint64_t tag = *p.epoch + 1;  // the epoch the barrier below uses
+    for (int j = 0; j < R; ++j) {
+      uint64_t* slot = reinterpret_cast<uint64_t*>(p.base[j] + w.sent_off) + r;
+      StU64Volatile(slot, MakeTagged(tag, bad ? 0u : static_cast<uint32_t>(s_send[j])));
+    }
     PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), Op::kCombine);
   }
 }
@@ -182,7 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
                                                                   EpPeers p, CombineIO io,
                                                                   int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
-  __shared__ int s_sent[kMaxRanks];  // rank layout: my tokens that rank j holds
+  __shared__ int s_sent[kMaxRanks];       // rows my handle expects from rank j
+  __shared__ int s_announced[kMaxRanks];  // rows rank j said it sends me
   __shared__ int s_ok;
   const int R = p.nranks, r = p.rank;
   const int lane = LaneId();
@@ -191,6 +204,12 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   if (threadIdx.x < kMaxRanks) s_sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     s_ok = FirstPeerNotOk(p, w.ok_off) < 0;
+    const uint64_t* sent = reinterpret_cast<const uint64_t*>(p.base[r] + w.sent_off);
+    for (int j = 0; j < R; ++j) {
+      const uint64_t word = LdU64Volatile(sent + j);
+      // A peer that passed the barrier has announced for this epoch.
+      s_announced[j] = TagMatches(word, *p.epoch) ? static_cast<int>(word & 0xffffffffull) : -1;
+    }
     int acc = 0;
     for (int s = 0; s < R; ++s) {
       s_prefix[s] = acc;
@@ -245,16 +264,52 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
     return;
   }
 
-  // Reducers.
+  // Reducers. What the handle expects from each rank must be what that rank
+  // announced, else this rank's handle is not the one its peers combine
+  // with: drain the rows that come, zero the outputs, report.
   if (!c.expert) {
     for (int i = threadIdx.x; i < c.T * R; i += blockDim.x) {
-      if (io.pos_in_rank[i] >= 0) atomicAdd(&s_sent[i % R], 1);
+      if (io.pos_in_rank[i] >= 0 && i % R != r) atomicAdd(&s_sent[i % R], 1);
     }
-    __syncthreads();
+  } else {
+    const int El = c.E / R;
+    for (int i = threadIdx.x; i < c.T * c.K; i += blockDim.x) {
+      const int e = io.topk[i];
+      if (e >= 0 && e < c.E) atomicAdd(&s_sent[e / El], 1);
+    }
   }
+  __syncthreads();
   const int rw = static_cast<int>(blockIdx.x - send_blocks) * kWarps + static_cast<int>(threadIdx.x >> 5);
   const int nrw = static_cast<int>(gridDim.x - send_blocks) * kWarps;
   const unsigned long long t0 = globaltimer_ns();
+  bool match = true;
+  for (int j = 0; j < R; ++j) match &= s_sent[j] == s_announced[j];
+  if (!match) {
+    if (rw == 0) {
+      if (lane == 0) report_error(p, Op::kCombine, Cause::kBadIndex);
+      const int nch = NumChunks(c.T, chunk);
+      for (int j = 0; j < R; ++j) {
+        if (s_announced[j] <= 0) continue;
+        int got = 0;
+        while (got != s_announced[j]) {
+          got = 0;
+          for (int ch = lane; ch < nch; ch += 32)
+            got += static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ChunkCounter(my, j, ch)));
+          got = __reduce_add_sync(kFullMask, got);
+          if (globaltimer_ns() - t0 > p.timeout_ns) {
+            if (lane == 0) report_error(p, Op::kCombine, Cause::kPeerTimeout, static_cast<uint32_t>(j));
+            break;
+          }
+        }
+      }
+    }
+    const int nvec = static_cast<int>(w.payload_bytes / 16);
+    for (int t = rw; t < c.T; t += nrw) {
+      uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes);
+      for (int i = lane; i < nvec; i += 32) StNa(out + i, make_uint4(0, 0, 0, 0));
+    }
+    return;
+  }
   for (int t = rw; t < c.T; t += nrw) {
     int n = 0;
     const char* my_row = nullptr;  // lane i: the i-th row of token t, in sum order

@@ -37,7 +37,8 @@
 // weights[K] f32 (0 where id -1), rie[K] i32, src token i32, padded to 16.
 //
 // Combine op area (from kOpAreaOffset on):
-//   ok      u64[R]
+//   ok      u64[R]            tagged "my handle checks out" word per source
+//   sent    u64[R]            per source: tagged number of rows it sends here
 //   recv    rows[R][T] (rank layout, slot [j][pos_in_rank[t, j]]) or
 //           rows[T][K] (expert layout, slot [t][k])
 // A combine row: payload (H * y elem bytes, padded to 16), weight f32 padded
@@ -140,13 +141,14 @@ struct DispatchWindow {
 };
 
 struct CombineWindow {
-  size_t ok_off, recv_off;
+  size_t ok_off, sent_off, recv_off;
   size_t payload_bytes, weight_off, row_bytes, end;
   int slots_per_block;  // rank layout: T (slot = j*T + pos); expert: K (slot = t*K + k)
 
   JAX_EP_HD CombineWindow(int R, int T, int H, int K, int elem_bytes, bool expert_layout) {
     ok_off = kOpAreaOffset;
-    recv_off = Align16(ok_off + 8 * static_cast<size_t>(R));
+    sent_off = ok_off + 8 * static_cast<size_t>(R);
+    recv_off = Align16(sent_off + 8 * static_cast<size_t>(R));
     payload_bytes = static_cast<size_t>(H) * elem_bytes;
     weight_off = Align16(payload_bytes);
     row_bytes = weight_off + 16;

@@ -267,7 +267,10 @@ def test_combine_after_failed_dispatch_reports_without_stalling(comm, layout):
     f = h.per_rank_jit(comm.mesh, once)
     return jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w))))
 
+  # Errors surface through comm.check() (or, unchecked, from the next call).
   run("cuda", capacity=8)  # compiles
+  with pytest.raises(Exception, match="(?i)capacity|index"):
+    comm.check()
   t0 = time.perf_counter()
   run("cuda", capacity=8)
   elapsed = time.perf_counter() - t0

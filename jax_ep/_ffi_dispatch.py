@@ -49,8 +49,7 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   scratch_ints = 16 + r + e + (r + 1) + r + (e_l + 1) + e_l + e_l * r
   scratch = _align16(counts + 8 * r * (2 + e_l))
   rie = _align16(scratch + 4 * scratch_ints)
-  inv = _align16(rie + 4 * t * k)
-  recv = _align16(inv + 4 * r * t)
+  recv = _align16(rie + 4 * t * k)
   payload = h * (1 if fp8 else x_bytes)
   scales_off = _align16(payload)
   meta_off = _align16(scales_off + 4 * (h // 128)) if fp8 else scales_off

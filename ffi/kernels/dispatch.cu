@@ -24,6 +24,7 @@
 #include <string>
 
 #include "ep_copy.cuh"
+#include "tma.cuh"
 #include "ep_kernels.h"
 #include "fp8.cuh"
 #include "window_layout.h"
@@ -145,7 +146,6 @@ __global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCf
   const DispatchScratch sc(R, c.E);
   int* scratch = ScratchOf(p, w);
   int* rie = reinterpret_cast<int*>(p.base[p.rank] + w.rie_off);
-  int* inv = reinterpret_cast<int*>(p.base[p.rank] + w.inv_off);
   const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
   const unsigned lt = (1u << lane) - 1u;  // lanes below this one
   const bool aligned16 = (reinterpret_cast<uintptr_t>(topk) & 15u) == 0;
@@ -176,11 +176,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCf
       bool unused = false;
       const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, unused);
       const unsigned m = __ballot_sync(kFullMask, in);
-      if (t < t1) {
-        const int pos = in ? off + __popc(m & lt) : -1;
-        pos_in_rank[static_cast<size_t>(t) * R + j] = pos;
-        if (in) inv[static_cast<size_t>(j) * c.T + pos] = t;
-      }
+      if (t < t1) pos_in_rank[static_cast<size_t>(t) * R + j] = in ? off + __popc(m & lt) : -1;
       off += __popc(m);
     }
     if (threadIdx.x == 0) {
@@ -381,31 +377,36 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 // ---------------------------------------------------------------- data
 // One kernel, two roles, so that the window -> output copy runs behind the
 // link instead of after it:
-//  - CTAs [0, S) send. Warp w takes positions p = w, w + S*32, ... and, for
-//    each destination j (remote ones first, this rank last), the token sent
-//    there as row p (inv[j][p]): a remote row goes into slot [me][p] of j's
-//    window and is then counted on j's chunk counter [me][p / chunk]; a
-//    local row goes straight into the outputs.
-//  - CTAs [S, S + Q) receive. Warp w takes positions in the same strided
-//    order, waits until the row's chunk is complete and copies it from the
-//    window into the outputs (fanning out per local expert in expert layout).
-// Senders never wait, so the roles need not be co-resident.
+//  - CTAs [0, S) send. Warp w takes tokens t = w, w + S*32, ...: it loads
+//    x[t] once and stores it into every destination's window row [me][pos]
+//    (then counts the row on that rank's chunk counter [me][pos / chunk]) and,
+//    for this rank, straight into the output rows. pos grows with t, so the
+//    chunks fill roughly in order.
+//  - CTAs [S, S + Q) receive. Warp w takes positions w, w + Q*32, ... of
+//    each source: it waits until the row's chunk is complete and copies it
+//    from the window into the outputs (fanning out per local expert in
+//    expert layout).
+// Senders never wait, so the roles need not be co-resident. kTma: payloads
+// move through the bulk-copy unit (tma.cuh), else through registers.
 //
 // kSendOk (agreed by every rank in the control kernel) gates all sending and
 // waiting; kOk (this rank's own view: no overflow either) gates all writes
 // of outputs. A receiver that is not ok still drains its chunks, and the
 // whole grid zeroes the outputs at the end.
 
-// The row of token t that goes to rank j (a remote window row, or this
-// rank's outputs when j == my rank), payload cast to FP8 on the way if kCast.
-template <typename TIn, bool kCast>
-__device__ __forceinline__ void SendRow(const DispatchCfg& c, const DispatchWindow& w,
-                                        const EpPeers& p, const PushIO& io, const int* scratch,
-                                        const int* rie, int t, int j, int pos, char* jbase,
-                                        int local_prefix) {
+// Token t to the ranks in `dest` (lane j < R holds its row position in rank
+// j as `pos`, and lane_base = that rank's window), payload cast to FP8 on
+// the way if kCast. Returns with the stores possibly still in flight.
+template <typename TIn, bool kCast, bool kTma>
+__device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWindow& w,
+                                          const EpPeers& p, const PushIO& io, const int* scratch,
+                                          const int* rie, int t, int pos, unsigned dest,
+                                          char* lane_base, int local_prefix, WarpTma& tma) {
   const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
+  const unsigned remote_mask = dest & ~(1u << r);
+  const bool to_me = (dest >> r) & 1u;
   int id = -1, rv = -1;
   float wt = 0.f;
   if (lane < K) {
@@ -414,19 +415,25 @@ __device__ __forceinline__ void SendRow(const DispatchCfg& c, const DispatchWind
     if (c.expert) rv = rie[static_cast<size_t>(t) * K + lane];
   }
   const int drank = (id >= 0 && id < c.E) ? id / El : -1;
-  const bool remote = j != r;  // warp-uniform
-  char* const rrow = remote ? jbase + w.row(r, pos, c.T) : nullptr;
+  // Lane j < R: this token's row in rank j's window.
+  char* const lane_row = ((remote_mask >> lane) & 1u) ? lane_base + w.row(r, pos, c.T) : nullptr;
   int local_row = -1;  // expert layout: output row of (t, lane) if its expert is here
-  if (!remote && c.expert && drank == r) local_row = scratch[sc.src_off + (id - r * El) * R + r] + rv;
-  const unsigned local_mask = remote ? 0u : __ballot_sync(kFullMask, local_row >= 0);
-  const int rank_row = (!remote && !c.expert) ? local_prefix + pos : -1;
-  const unsigned out_mask = local_mask | (rank_row >= 0 ? 1u : 0u);
+  if (to_me && c.expert && drank == r) local_row = scratch[sc.src_off + (id - r * El) * R + r] + rv;
+  const unsigned local_mask = __ballot_sync(kFullMask, local_row >= 0);
+  const int my_pos = __shfl_sync(kFullMask, pos, r);
+  const int rank_row = (to_me && !c.expert) ? local_prefix + my_pos : -1;
+  const unsigned out_mask = c.expert ? local_mask : (rank_row >= 0 ? 1u : 0u);
   char* const recv_x = static_cast<char*>(io.recv_x);
   const int H128 = c.H / 128;
+  // Lane i in out_mask: an output row this token fills here.
+  const int lane_out = c.expert ? local_row : rank_row;
+  char* const lane_out_row = lane_out >= 0 ? recv_x + static_cast<size_t>(lane_out) * w.payload_bytes : nullptr;
+  float* const lane_out_scales = lane_out >= 0 ? io.recv_scales + static_cast<size_t>(lane_out) * H128 : nullptr;
 
-  // Metadata (ids already converted for the destination).
-  if (remote) {
-    int* meta = reinterpret_cast<int*>(rrow + w.meta_off);
+  // Metadata: remote rows (ids already converted for that destination).
+  for (unsigned m = remote_mask; m; m &= m - 1) {
+    const int j = __ffs(m) - 1;
+    int* meta = reinterpret_cast<int*>(ShflPtr(lane_row, j) + w.meta_off);
     if (lane < K) {
       const int lid = drank == j ? id - j * El : -1;
       meta[lane] = lid;
@@ -434,16 +441,20 @@ __device__ __forceinline__ void SendRow(const DispatchCfg& c, const DispatchWind
       meta[2 * K + lane] = lid >= 0 ? rv : -1;
     }
     if (lane == 0) meta[3 * K] = t;
-  } else if (!c.expert) {
-    if (lane < K) {
-      const int lid = drank == r ? id - r * El : -1;
-      io.recv_topk_idx[static_cast<size_t>(rank_row) * K + lane] = lid;
-      io.recv_topk_w[static_cast<size_t>(rank_row) * K + lane] = lid >= 0 ? wt : 0.f;
-    }
-    if (lane == 0) {
-      io.src_rank[rank_row] = r;
-      io.src_token[rank_row] = t;
-      io.src_k[rank_row] = -1;
+  }
+  // Metadata: local output rows.
+  if (!c.expert) {
+    if (rank_row >= 0) {
+      if (lane < K) {
+        const int lid = drank == r ? id - r * El : -1;
+        io.recv_topk_idx[static_cast<size_t>(rank_row) * K + lane] = lid;
+        io.recv_topk_w[static_cast<size_t>(rank_row) * K + lane] = lid >= 0 ? wt : 0.f;
+      }
+      if (lane == 0) {
+        io.src_rank[rank_row] = r;
+        io.src_token[rank_row] = t;
+        io.src_k[rank_row] = -1;
+      }
     }
   } else if (local_row >= 0) {
     io.recv_topk_idx[local_row] = id - r * El;
@@ -452,77 +463,79 @@ __device__ __forceinline__ void SendRow(const DispatchCfg& c, const DispatchWind
     io.src_token[local_row] = t;
     io.src_k[local_row] = lane;
   }
-  // Destination rows of this call: the remote row, or each local output row.
-  auto out_row = [&](unsigned m) -> char* {
-    const int o = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
-    return recv_x + static_cast<size_t>(o) * w.payload_bytes;
-  };
-  auto out_scales = [&](unsigned m) -> float* {
-    const int o = c.expert ? __shfl_sync(kFullMask, local_row, __ffs(m) - 1) : rank_row;
-    return io.recv_scales + static_cast<size_t>(o) * H128;
-  };
 
   const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
-  const int nvec = static_cast<int>(in_row_bytes / 16);
-  const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const char*>(io.x) + t * in_row_bytes);
-  for (int base = 0; base < nvec; base += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int idx = base + u * 32 + lane;
-      v[u] = idx < nvec ? LdNcNa(xrow + idx) : make_uint4(0, 0, 0, 0);
-    }
-    if constexpr (!kCast) {
-      if (remote) StoreChunk(reinterpret_cast<uint4*>(rrow), base, nvec, lane, v);
-      for (unsigned m = out_mask; m; m &= m - 1)
-        StoreChunk(reinterpret_cast<uint4*>(out_row(m)), base, nvec, lane, v);
-    } else {
-      constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
-      constexpr int LPB = kFp8Block / V; // lanes per 128-channel block
-      using QT = typename std::conditional<V == 8, uint2, uint32_t>::type;
-      QT q[kUnroll];
-      float s[kUnroll];
+  const char* xrow = static_cast<const char*>(io.x) + t * in_row_bytes;
+  if constexpr (kTma && !kCast) {
+    TmaRowCopy(tma, xrow, static_cast<uint32_t>(in_row_bytes), lane_row, remote_mask, lane_out_row,
+               out_mask);
+  } else {
+    const int nvec = static_cast<int>(in_row_bytes / 16);
+    const uint4* xv = reinterpret_cast<const uint4*>(xrow);
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        float f[V];
-        Vec16<TIn>::ToFloat(v[u], f);
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-        for (int off = LPB / 2; off >= 1; off >>= 1)
-          amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-        s[u] = Fp8Scale(amax, c.ue8m0 != 0);
-        const float inv = __fdiv_rn(1.0f, s[u]);  // as jax_ep/fp8.py: q = x * (1 / s)
-        uint8_t b[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], inv);
-        memcpy(&q[u], b, sizeof(QT));
+        const int idx = base + u * 32 + lane;
+        v[u] = idx < nvec ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
       }
-      // Each lane's 16 input bytes become V output bytes at channel idx*V.
-      auto put = [&](char* row, float* srow) {
+      if constexpr (!kCast) {
+        for (unsigned m = remote_mask; m; m &= m - 1)
+          StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_row, __ffs(m) - 1)), base, nvec, lane, v);
+        for (unsigned m = out_mask; m; m &= m - 1)
+          StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_out_row, __ffs(m) - 1)), base, nvec, lane, v);
+      } else {
+        constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
+        constexpr int LPB = kFp8Block / V; // lanes per 128-channel block
+        using QT = typename std::conditional<V == 8, uint2, uint32_t>::type;
+        QT q[kUnroll];
+        float s[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int idx = base + u * 32 + lane;
-          if (idx < nvec) {
-            reinterpret_cast<QT*>(row)[idx] = q[u];
-            if (lane % LPB == 0) srow[idx / LPB] = s[u];
-          }
+          float f[V];
+          Vec16<TIn>::ToFloat(v[u], f);
+          float amax = 0.f;
+#pragma unroll
+          for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+          for (int off = LPB / 2; off >= 1; off >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+          s[u] = Fp8Scale(amax, c.ue8m0 != 0);
+          const float inv = __fdiv_rn(1.0f, s[u]);  // as jax_ep/fp8.py: q = x * (1 / s)
+          uint8_t b[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], inv);
+          memcpy(&q[u], b, sizeof(QT));
         }
-      };
-      if (remote) put(rrow, reinterpret_cast<float*>(rrow + w.scales_off));
-      for (unsigned m = out_mask; m; m &= m - 1) put(out_row(m), out_scales(m));
+        // Each lane's 16 input bytes become V output bytes at channel idx*V.
+        auto put = [&](char* row, float* srow) {
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int idx = base + u * 32 + lane;
+            if (idx < nvec) {
+              reinterpret_cast<QT*>(row)[idx] = q[u];
+              if (lane % LPB == 0) srow[idx / LPB] = s[u];
+            }
+          }
+        };
+        for (unsigned m = remote_mask; m; m &= m - 1) {
+          char* row = ShflPtr(lane_row, __ffs(m) - 1);
+          put(row, reinterpret_cast<float*>(row + w.scales_off));
+        }
+        for (unsigned m = out_mask; m; m &= m - 1)
+          put(ShflPtr(lane_out_row, __ffs(m) - 1), ShflPtr(lane_out_scales, __ffs(m) - 1));
+      }
     }
   }
   // FP8 input: the scales travel with the row.
   if (!kCast && c.has_scales) {
     const float* xs = io.x_scales + static_cast<size_t>(t) * H128;
-    if (remote) {
-      float* srow = reinterpret_cast<float*>(rrow + w.scales_off);
+    for (unsigned m = remote_mask; m; m &= m - 1) {
+      float* srow = reinterpret_cast<float*>(ShflPtr(lane_row, __ffs(m) - 1) + w.scales_off);
       for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
     }
     for (unsigned m = out_mask; m; m &= m - 1) {
-      float* srow = out_scales(m);
+      float* srow = ShflPtr(lane_out_scales, __ffs(m) - 1);
       for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
     }
   }
@@ -562,9 +575,10 @@ struct RowWriter {
 // Row p from source s (already complete in this rank's window) into the
 // outputs: rank layout row prefix[s] + p; expert layout one row per local
 // expert the token chose, at the sender's rie inside the (expert, s) block.
+template <bool kTma>
 __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWindow& w,
                                         const EpPeers& p, const PushIO& io, const int* scratch,
-                                        const int* s_prefix, int s, int pos) {
+                                        const int* s_prefix, int s, int pos, WarpTma& tma) {
   const int R = p.nranks, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
@@ -576,11 +590,16 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   const uint4* sv = reinterpret_cast<const uint4*>(src);
   if (!c.expert) {
     const int row = s_prefix[s] + pos;
-    uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-      LoadChunk(sv, base, nvec, lane, v);
-      StoreChunk(dst, base, nvec, lane, v);
+    char* const drow = recv_x + static_cast<size_t>(row) * w.payload_bytes;
+    if constexpr (kTma) {
+      TmaRowCopy(tma, src, static_cast<uint32_t>(w.payload_bytes), drow, 1u, nullptr, 0u);
+    } else {
+      uint4* dst = reinterpret_cast<uint4*>(drow);
+      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+        LoadChunk(sv, base, nvec, lane, v);
+        StoreChunk(dst, base, nvec, lane, v);
+      }
     }
     if (c.has_scales) {
       const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
@@ -611,12 +630,17 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
     io.src_token[orow] = tok;
     io.src_k[orow] = lane;
   }
-  for (int base = 0; base < nvec; base += 32 * kUnroll) {
-    uint4 v[kUnroll];
-    LoadChunk(sv, base, nvec, lane, v);
-    for (unsigned m = omask; m; m &= m - 1) {
-      const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
-      StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
+  if constexpr (kTma) {
+    char* const drow = orow >= 0 ? recv_x + static_cast<size_t>(orow) * w.payload_bytes : nullptr;
+    TmaRowCopy(tma, src, static_cast<uint32_t>(w.payload_bytes), drow, omask, nullptr, 0u);
+  } else {
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+      LoadChunk(sv, base, nvec, lane, v);
+      for (unsigned m = omask; m; m &= m - 1) {
+        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+        StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
+      }
     }
   }
   if (c.has_scales) {
@@ -629,11 +653,12 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   }
 }
 
-template <typename TIn, bool kCast, int kThreads>
+template <typename TIn, bool kCast, bool kTma, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c, DispatchWindow w,
                                                                    EpPeers p, PushIO io,
                                                                    int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
+  extern __shared__ __align__(128) char tma_smem[];
   const int R = p.nranks, r = p.rank;
   const DispatchScratch sc(R, c.E);
   const int* scratch = ScratchOf(p, w);
@@ -647,6 +672,8 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   const int gwarps = static_cast<int>(gridDim.x) * kWarps;
   const RowWriter out{c, w, io, lane};
   const int chunk = ChunkRows(c.T);
+  WarpTma tma{};
+  if constexpr (kTma) tma = TmaInit(tma_smem);
 
   // Padding and tail rows are not data rows of anyone: fill them first.
   if (ok) {
@@ -663,21 +690,17 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
 
   if (send_ok && static_cast<int>(blockIdx.x) < send_blocks) {
     const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
-    const int* inv = reinterpret_cast<const int*>(p.base[r] + w.inv_off);
     // Indexing the by-value EpPeers with a runtime rank goes through local
     // memory; do it once per thread, then move pointers between lanes.
     char* const lane_base = p.base[lane < R ? lane : 0];
-    int maxn = 0;
-    for (int j = 0; j < R; ++j) maxn = max(maxn, scratch[sc.tokens_per_rank + j]);
-    for (int pos = gwarp; pos < maxn; pos += send_blocks * kWarps) {
-      for (int d = 0; d < R; ++d) {
-        const int j = (r + 1 + d) % R;  // remote destinations first, this rank last
-        if (pos >= scratch[sc.tokens_per_rank + j] || (j == r && !ok)) continue;
-        const int t = inv[static_cast<size_t>(j) * c.T + pos];
-        char* const jbase = ShflPtr(lane_base, j);
-        SendRow<TIn, kCast>(c, w, p, io, scratch, rie, t, j, pos, jbase, s_prefix[r]);
-        if (j != r) CountRowDone(ChunkCounter(jbase, r, pos / chunk));
-      }
+    for (int t = gwarp; t < c.T; t += send_blocks * kWarps) {
+      const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
+      unsigned dest = __ballot_sync(kFullMask, pos >= 0);
+      if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
+      if (dest == 0) continue;
+      SendToken<TIn, kCast, kTma>(c, w, p, io, scratch, rie, t, pos, dest, lane_base, s_prefix[r], tma);
+      const unsigned remote = dest & ~(1u << r);
+      if (remote) CountRowsDone(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
     }
   } else if (send_ok) {
     const int rwarp = gwarp - send_blocks * kWarps;
@@ -694,13 +717,21 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         const int ch = pos / chunk;
         const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
         alive = WaitChunk(p, ChunkCounter(p.base[r], s, ch), expected, Op::kDispatch, s, t0);
-        if (alive && ok) RecvRow(c, w, p, io, scratch, s_prefix, s, pos);
+        if (alive && ok) {
+          if constexpr (kTma) TmaAcquired();
+          RecvRow<kTma>(c, w, p, io, scratch, s_prefix, s, pos, tma);
+        }
       }
     }
   }
 
   if (!ok) {
     for (int row = gwarp; row < c.C; row += gwarps) out.Zero(row);
+  }
+  // Bulk stores still in flight must finish before the CTA's shared memory
+  // goes away.
+  if constexpr (kTma) {
+    if (lane == 0) TmaDrainLane0();
   }
 }
 
@@ -736,19 +767,25 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
   return std::max(1, std::min(cap, needed));
 }
 
+bool UseTma() {
+  static const bool on = [] {
+    const char* env = std::getenv("JAX_EP_TMA");
+    return env == nullptr || std::atoi(env) != 0;
+  }();
+  return on;
+}
+
 void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
-                     int* send_blocks, int* recv_blocks) {
+                     double recv_share, int* send_blocks, int* recv_blocks) {
   const int total = ChooseNumBlocks(requested, work_items, warps_per_block, num_ranks);
   static const int env_recv = EnvInt("JAX_EP_RECV_SMS");
   int q = 0;
-  if (num_ranks > 1) {
-    // Receivers copy (or reduce) what the link brings in, HBM to HBM at a
-    // few times the link's rate per SM: a third of the CTAs keeps up.
-    q = env_recv > 0 ? env_recv : std::max(1, total / 3);
-    if (env_recv <= 0 && total > 1) q = std::min(q, total - 1);
+  if (num_ranks > 1 && total > 1) {
+    q = env_recv > 0 ? env_recv : static_cast<int>(std::lround(total * recv_share));
+    q = std::min(std::max(q, 1), total - 1);
   }
   *recv_blocks = q;
-  *send_blocks = std::max(1, total - (env_recv > 0 ? 0 : q));
+  *send_blocks = std::max(1, total - q);
 }
 
 size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales) {
@@ -812,16 +849,27 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   const bool cast = a.cast_fp8;
   const int threads = cast ? kCastThreads : kDataThreads;
   int send_blocks = 0, recv_blocks = 0;
-  SplitDataBlocks(a.num_sms, c.T, threads / 32, R, &send_blocks, &recv_blocks);
+  // Receivers copy HBM to HBM what the link brings in: a third of the CTAs.
+  SplitDataBlocks(a.num_sms, c.T, threads / 32, R, 1.0 / 3.0, &send_blocks, &recv_blocks);
   const int grid = send_blocks + recv_blocks;
   if (!cast) {
-    DispatchDataKernel<uint8_t, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    if (UseTma()) {
+      auto* k = DispatchDataKernel<uint8_t, false, true, kDataThreads>;
+      const size_t smem = TmaSmemBytes(kDataThreads / 32);
+      if (cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
+          e != cudaSuccess)
+        return e;
+      k<<<grid, kDataThreads, smem, stream>>>(c, w, p, io, send_blocks);
+    } else {
+      DispatchDataKernel<uint8_t, false, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    }
   } else if (a.x_dtype == EpDtype::kBF16) {
-    DispatchDataKernel<__nv_bfloat16, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<__nv_bfloat16, true, false, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else if (a.x_dtype == EpDtype::kF16) {
-    DispatchDataKernel<__half, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<__half, true, false, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else {
-    DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<float, true, false, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   }
   return cudaGetLastError();
 }

@@ -122,14 +122,21 @@ __device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
   }
 }
 
-// The warp has finished storing one row of chunk `counter`: make the row
-// visible system-wide, then count it. bar.warp.sync orders the other lanes'
+// The warp has finished storing its rows to the destinations in `mask`; lane
+// j holds the chunk counter of its row in rank j's window. Make the rows
+// visible system-wide (bulk stores included: wait_group 0 is free when none
+// is outstanding), then count each. bar.warp.sync orders the other lanes'
 // stores before lane 0's fence, which is cumulative.
-__device__ __forceinline__ void CountRowDone(uint32_t* counter) {
+__device__ __forceinline__ void CountRowsDone(uint32_t* counter, unsigned mask) {
   __syncwarp();
   if (LaneId() == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
     __threadfence_system();
-    asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  }
+  for (unsigned m = mask; m; m &= m - 1) {
+    uint32_t* c = ShflPtr(counter, __ffs(m) - 1);
+    if (LaneId() == 0) asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
   }
 }
 

@@ -24,11 +24,11 @@
 
 namespace jax_ep {
 
-// JAX_EP_RECV_SMS: CTAs of the data kernels that receive (dispatch) or
-// reduce (combine); 0 = a third of the CTAs the model picks. Read once.
-// Splits the data kernel's CTAs into senders and receivers.
+// Splits the data kernel's CTAs (ChooseNumBlocks) into senders and
+// receivers (dispatch) / reducers (combine), `recv_share` of them receiving;
+// JAX_EP_RECV_SMS overrides the receivers' count. Read once.
 void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
-                     int* send_blocks, int* recv_blocks);
+                     double recv_share, int* send_blocks, int* recv_blocks);
 
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };

@@ -26,8 +26,6 @@
 //                             peer): DispatchScratch below
 //   rie     i32[T][K]         rank of (t, k) among this rank's entries that
 //                             chose the same expert (expert layout)
-//   inv     i32[R][T]         inv[j][p] = the token whose row is the p-th
-//                             this rank sends to rank j (sender side)
 //   recv    rows[R][T]        row [s][p] = the p-th token of source s that
 //                             comes here; a source writes its own rows at
 //                             known offsets, so it needs nothing from us.
@@ -112,7 +110,7 @@ struct DispatchScratch {
 };
 
 struct DispatchWindow {
-  size_t ok_off, counts_off, scratch_off, rie_off, inv_off, recv_off;
+  size_t ok_off, counts_off, scratch_off, rie_off, recv_off;
   size_t payload_bytes;  // H * elem
   size_t scales_off;     // inside a row (FP8 only; == meta_off otherwise)
   size_t meta_off;       // inside a row
@@ -127,8 +125,7 @@ struct DispatchWindow {
     counts_off = Align16(ok_off + 8 * static_cast<size_t>(R));
     scratch_off = Align16(counts_off + 8 * static_cast<size_t>(R) * counts_stride);
     rie_off = Align16(scratch_off + 4 * static_cast<size_t>(DispatchScratch(R, E).count));
-    inv_off = Align16(rie_off + 4 * static_cast<size_t>(T) * K);
-    recv_off = Align16(inv_off + 4 * static_cast<size_t>(R) * T);
+    recv_off = Align16(rie_off + 4 * static_cast<size_t>(T) * K);
     payload_bytes = static_cast<size_t>(H) * elem_bytes;
     scales_off = Align16(payload_bytes);
     meta_off = fp8_scales ? Align16(scales_off + 4 * static_cast<size_t>(H / 128)) : scales_off;

@@ -4,11 +4,15 @@
 
 #include <cuda_runtime.h>
 
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+
+#include "kernels/gin.cuh"
 
 namespace jax_ep {
 namespace {
@@ -81,12 +85,16 @@ class NcclGroup {
 
 // The window struct lives in device memory; the documented way to turn it
 // into addresses is the device-side accessor, so ask a one-warp kernel.
-__global__ void LsaPointersKernel(ncclWindow_t window, int nranks, char** out) {
+// Only for the ranks in `want`: a rank outside the LSA team has no address.
+__global__ void LsaPointersKernel(ncclWindow_t window, int nranks, uint32_t want, char** out) {
   const int peer = threadIdx.x;
   // Peer pointer by world (= EP) rank: NCCL maps the LSA team's windows into
   // one flat range, so even this rank's own entry is an alias of the
   // ncclMemAlloc pointer at another virtual address.
-  if (peer < nranks) out[peer] = static_cast<char*>(ncclGetPeerPointer(window, 0, peer));
+  if (peer < nranks) {
+    out[peer] = ((want >> peer) & 1u) ? static_cast<char*>(ncclGetPeerPointer(window, 0, peer))
+                                      : nullptr;
+  }
 }
 
 struct Registry {
@@ -132,31 +140,121 @@ void SetupOneDevice(DeviceResources& d) {
             "cudaMemset(counters)", d.device_ordinal);
 }
 
-// Every peer must be load/store reachable: the kernels move data with NVLink
-// stores. GIN (network) transport is not implemented in jax_ep's kernels, so a
-// non-LSA peer is an error whether or not this NCCL could do GIN.
-void CheckLsaReachable(const DeviceResources& d) {
-  ncclTeam_t world = ncclTeamWorld(d.comm);
-  ncclTeam_t lsa = ncclTeamLsa(d.comm);
+// JAX_EP_TRANSPORT, read at every create so a test can flip it in-process.
+bool ForceGinFromEnv() {
+  const char* raw = std::getenv("JAX_EP_TRANSPORT");
+  std::string v = raw == nullptr ? "" : raw;
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (v.empty() || v == "auto") return false;
+  if (v == "gin") return true;
+  Fail("JAX_EP_TRANSPORT=" + std::string(raw) +
+       " is not understood: use 'auto' (the default: NVLink inside NCCL's LSA team, GIN "
+       "beyond it) or 'gin' (every remote peer over GIN, to test that path)");
+}
+
+// Asked only when some peer needs GIN. NCCL answers for the whole
+// communicator (every rank gets the same answer), so no rank goes on to a
+// collective GIN setup that another rank skips.
+GinSupport QueryGinSupport(const DeviceResources& d) {
+#if !JAX_EP_HAVE_GIN
+  (void)d;
+  return GinSupport::kNotBuilt;
+#elif NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 2)
+  ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
+  CheckNccl(ncclCommQueryProperties(d.comm, &props), "ncclCommQueryProperties", d.comm);
+  if (props.ginType != NCCL_GIN_TYPE_NONE) return GinSupport::kAvailable;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 7)
+  if (props.railedGinType != NCCL_GIN_TYPE_NONE) return GinSupport::kRailOnly;
+#endif
+  return GinSupport::kNoDevice;
+#else
+  (void)d;
+  return GinSupport::kUntested;
+#endif
+}
+
+TransportInputs DescribePeers(const DeviceResources& d, bool force_gin) {
+  TransportInputs in;
+  in.rank = d.rank;
+  in.device_ordinal = d.device_ordinal;
+  in.force_gin = force_gin;
+  in.nccl_version = NCCL_VERSION_CODE;
+  const ncclTeam_t world = ncclTeamWorld(d.comm);
+  const ncclTeam_t lsa = ncclTeamLsa(d.comm);
+  in.lsa_member.resize(d.nranks);
+  bool needs_gin = false;
   for (int peer = 0; peer < d.nranks; ++peer) {
-    if (!ncclTeamRankIsMember(lsa, world, peer)) {
-      Fail("EP rank " + std::to_string(peer) + " is not load/store reachable from rank " +
-           std::to_string(d.rank) + " (device " + std::to_string(d.device_ordinal) +
-           "): NCCL's LSA team of rank " + std::to_string(d.rank) + " has " +
-           std::to_string(lsa.nRanks) + " of " + std::to_string(d.nranks) +
-           " ranks (no NVLink/P2P path to that peer, e.g. another host or P2P disabled). "
-           "jax_ep moves data with NVLink loads/stores and has no GIN (network) path yet; "
-           "put the EP axis on GPUs of one NVLink domain.");
-    }
+    in.lsa_member[peer] = ncclTeamRankIsMember(lsa, world, peer);
+    needs_gin |= peer != d.rank && (force_gin || !in.lsa_member[peer]);
   }
+  in.gin = needs_gin ? QueryGinSupport(d) : GinSupport::kNotBuilt;
+  return in;
+}
+
+void AddGinRequirements(ncclDevCommRequirements& reqs) {
+#if JAX_EP_HAVE_GIN
+  reqs.ginSignalCount = kGinSignalCount;
+  reqs.ginContextCount = kGinContextCount;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 7)
+  reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+#else
+  reqs.ginForceEnable = true;
+#endif
+#else
+  (void)reqs;
+#endif
+}
+
+// "" when the device communicator holds the GIN that the kernels will use.
+std::string CheckGinDevComm(const DeviceResources& d) {
+#if JAX_EP_HAVE_GIN
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 7)
+  const int connections = d.devcomm.ginConnectionCount;
+#else
+  const int connections = d.devcomm.ginContextCount;
+#endif
+  if (connections < 1) {
+    return "NCCL " + NcclVersionString(NCCL_VERSION_CODE) +
+           " created the device communicator without GIN connections";
+  }
+  if (d.devcomm.ginSignalCount < kGinSignalCount) {
+    return "NCCL " + NcclVersionString(NCCL_VERSION_CODE) + " gave " +
+           std::to_string(d.devcomm.ginSignalCount) + " GIN signals of the " +
+           std::to_string(kGinSignalCount) + " asked for";
+  }
+  return "";
+#else
+  (void)d;
+  return "this jax_ep was built without NCCL's GIN device API";
+#endif
+}
+
+void UploadGinComm(DeviceResources& d) {
+#if JAX_EP_HAVE_GIN
+  GinComm g{};
+  g.devcomm = d.devcomm;
+  g.window = d.window;
+  g.signal_base = 0;
+  g.signal_count = kGinSignalCount;
+  CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+  CheckCuda(cudaMalloc(&d.gin_dev, sizeof(g)), "cudaMalloc(GIN state)", d.device_ordinal);
+  CheckCuda(cudaMemcpy(d.gin_dev, &g, sizeof(g), cudaMemcpyHostToDevice), "cudaMemcpy(GIN state)",
+            d.device_ordinal);
+#else
+  (void)d;
+  Fail("GIN state requested in a build without GIN");
+#endif
 }
 
 void FetchPeerPointers(DeviceResources& d) {
+  uint32_t want = 0;
+  for (int r = 0; r < d.nranks; ++r)
+    if (((d.gin_mask >> r) & 1u) == 0u) want |= 1u << r;
   CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
   char** dev_out = nullptr;
   CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev_out), kMaxRanks * sizeof(char*)),
             "cudaMalloc(lsa pointers)", d.device_ordinal);
-  LsaPointersKernel<<<1, 32>>>(d.window, d.nranks, dev_out);
+  LsaPointersKernel<<<1, 32>>>(d.window, d.nranks, want, dev_out);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   if (err == cudaSuccess)
@@ -164,10 +262,23 @@ void FetchPeerPointers(DeviceResources& d) {
   cudaFree(dev_out);
   CheckCuda(err, "reading LSA window pointers", d.device_ordinal);
   for (int r = 0; r < d.nranks; ++r) {
-    if (d.peer_base[r] == nullptr) {
+    if (((want >> r) & 1u) && d.peer_base[r] == nullptr) {
       Fail("NCCL returned no LSA address for rank " + std::to_string(r) + "'s window");
     }
   }
+}
+
+// e.what() of a Fail() without its "jax_ep: " prefix, to quote inside another.
+std::string Unprefixed(const std::exception& e) {
+  std::string m = e.what();
+  const std::string prefix = "jax_ep: ";
+  return m.compare(0, prefix.size(), prefix) == 0 ? m.substr(prefix.size()) : m;
+}
+
+int FirstBit(uint32_t mask) {
+  for (int j = 0; j < 32; ++j)
+    if ((mask >> j) & 1u) return j;
+  return -1;
 }
 
 }  // namespace
@@ -182,6 +293,8 @@ EpPeers DeviceResources::peers() const {
   p.epoch = counters;
   p.grid_sync = counters + 1;
   p.timeout_ns = timeout_ns;
+  p.gin_mask = gin_mask;
+  p.gin = gin_dev;
   return p;
 }
 
@@ -247,6 +360,8 @@ void CommResources::Close() {
     if (d.window_ptr != nullptr) WarnNccl(ncclMemFree(d.window_ptr), "ncclMemFree");
     if (d.status_host != nullptr) WarnCuda(cudaFreeHost(d.status_host), "cudaFreeHost");
     if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
+    if (d.gin_dev != nullptr) WarnCuda(cudaFree(d.gin_dev), "cudaFree(GIN state)");
+    d.gin_dev = nullptr;
     d.window_ptr = nullptr;
     d.status_host = nullptr;
     d.status_dev = nullptr;
@@ -272,6 +387,7 @@ void CommResources::Close() {
 
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s) {
   CheckVersion();
+  const bool force_gin = ForceGinFromEnv();
   if (groups.empty()) Fail("comm_create needs at least one EP group");
   if (!(timeout_s > 0)) Fail("timeout_s must be > 0");
   if (num_bytes <= kWindowHeaderBytes) {
@@ -339,11 +455,29 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
     }
     group.End("ncclCommWindowRegister (group)");
   }
+  // Per peer: LSA or GIN, or a message saying why neither, before any GIN
+  // resource is asked of NCCL.
+  std::vector<TransportInputs> inputs;
   for (auto& d : res->devices) {
     if (d.window == nullptr) Fail("ncclCommWindowRegister returned no window");
-    CheckLsaReachable(d);
+    inputs.push_back(DescribePeers(d, force_gin));
+    const TransportPlan plan = PlanTransports(inputs.back());
+    if (!plan.error.empty()) throw std::runtime_error(plan.error);
+    d.gin_mask = plan.gin_mask;
+    d.lsa_team_size = 0;
+    for (bool member : inputs.back().lsa_member) d.lsa_team_size += member ? 1 : 0;
   }
-  {
+  // The first device that needs GIN speaks for the message when NCCL cannot
+  // set it up (every rank of a group needs it or none does: LSA teams are
+  // symmetric, and JAX_EP_TRANSPORT is the same everywhere).
+  int gin_dev_index = -1;
+  for (size_t i = 0; i < res->devices.size() && gin_dev_index < 0; ++i)
+    if (res->devices[i].gin_mask != 0) gin_dev_index = static_cast<int>(i);
+  auto no_gin = [&](const std::string& why) {
+    const DeviceResources& d = res->devices[gin_dev_index];
+    return std::runtime_error(NoTransportMessage(inputs[gin_dev_index], FirstBit(d.gin_mask), why));
+  };
+  try {
     NcclGroup group;
     for (auto& d : res->devices) {
       CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
@@ -354,20 +488,36 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
       std::memset(&reqs, 0, sizeof(reqs));
 #endif
       reqs.lsaBarrierCount = kLsaBarrierCount;
+      if (d.gin_mask != 0) AddGinRequirements(reqs);
       CheckNccl(ncclDevCommCreate(d.comm, &reqs, &d.devcomm), "ncclDevCommCreate", d.comm);
-      d.devcomm_created = true;
     }
     group.End("ncclDevCommCreate (group)");
+  } catch (const std::runtime_error& e) {
+    // NCCL 2.28 can only say whether GIN works by trying; its refusal is
+    // the answer to "why no GIN".
+    if (gin_dev_index < 0) throw;
+    throw no_gin("NCCL " + NcclVersionString(NCCL_VERSION_CODE) + " could not set up GIN (" +
+                 Unprefixed(e) + ")");
   }
+  // Only now: inside a group the creation happens at ncclGroupEnd, and the
+  // struct of a failed one may name resources NCCL has already freed, so
+  // destroying it could free them twice. (Should a group ever fail on one
+  // device and succeed on another, the latter's few MiB stay with NCCL.)
+  for (auto& d : res->devices) d.devcomm_created = true;
   for (auto& d : res->devices) {
     if (d.devcomm.nRanks != d.nranks || d.devcomm.rank != d.rank) {
       Fail("ncclDevComm reports rank " + std::to_string(d.devcomm.rank) + " of " +
            std::to_string(d.devcomm.nRanks) + ", expected " + std::to_string(d.rank) + " of " +
            std::to_string(d.nranks));
     }
-    if (d.devcomm.lsaSize != d.nranks) {
-      Fail("ncclDevComm LSA team has " + std::to_string(d.devcomm.lsaSize) + " of " +
-           std::to_string(d.nranks) + " ranks");
+    if (d.devcomm.lsaSize != d.lsa_team_size) {
+      Fail("ncclDevComm LSA team has " + std::to_string(d.devcomm.lsaSize) + " ranks but NCCL's "
+           "host-side LSA team has " + std::to_string(d.lsa_team_size));
+    }
+    if (d.gin_mask != 0) {
+      const std::string why = CheckGinDevComm(d);
+      if (!why.empty()) throw no_gin(why);
+      UploadGinComm(d);
     }
     FetchPeerPointers(d);
   }
@@ -448,12 +598,94 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
       msg += "symmetric window too small for this call; create the Communicator with a larger "
              "num_bytes (see get_buffer_size_hint)";
       break;
+    case kGinUnavailable:
+      msg += "GIN asked of peer rank " + std::to_string(detail) +
+             ", which this communicator does not reach by GIN (a jax_ep bug)";
+      break;
     default:
       msg += "device error cause " + std::to_string(cause) + " (detail " + std::to_string(detail) + ")";
   }
   char hex[32];
   std::snprintf(hex, sizeof(hex), " [status 0x%08x]", code);
   return msg + hex;
+}
+
+std::string NcclVersionString(int code) {
+  // NCCL_VERSION() packs X.Y.Z as X*1000+Y*100+Z up to 2.8 and X*10000+Y*100+Z after.
+  const int major = code >= 10000 ? code / 10000 : code / 1000;
+  const int minor = code >= 10000 ? (code % 10000) / 100 : (code % 1000) / 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
+}
+
+namespace {
+
+// "" when nothing stands in GIN's way before it is set up.
+std::string GinSupportReason(GinSupport gin, int nccl_version) {
+  const std::string nccl = "NCCL " + NcclVersionString(nccl_version);
+  switch (gin) {
+    case GinSupport::kNotBuilt:
+      return "this jax_ep was built without NCCL's GIN device API (built against " + nccl +
+             " headers; GIN came with NCCL 2.28.7)";
+    case GinSupport::kNoDevice:
+      return nccl + " reports no GIN-capable network device for this communicator (GIN needs "
+             "an InfiniBand/RoCE NIC that NCCL drives with GPUDirect RDMA on every rank, and "
+             "NCCL_GIN_ENABLE not 0)";
+    case GinSupport::kRailOnly:
+      return nccl + " offers GIN only between GPUs on the same rail, and jax_ep needs a GIN "
+             "connection to every remote peer";
+    case GinSupport::kUntested:
+    case GinSupport::kAvailable:
+      break;
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string NoTransportMessage(const TransportInputs& in, int peer, const std::string& gin_why) {
+  const int n = static_cast<int>(in.lsa_member.size());
+  int lsa_size = 0;
+  for (bool member : in.lsa_member) lsa_size += member ? 1 : 0;
+  const bool in_lsa = peer >= 0 && peer < n && in.lsa_member[peer];
+  std::string msg = "jax_ep: no transport from EP rank " + std::to_string(in.rank) + " (device " +
+                    std::to_string(in.device_ordinal) + ") to EP rank " + std::to_string(peer) +
+                    ": ";
+  if (in.force_gin && in_lsa) {
+    msg += "JAX_EP_TRANSPORT=gin puts every remote peer on GIN, although this one is in NCCL's "
+           "LSA (NVLink load/store) team";
+  } else {
+    msg += "it is outside NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) +
+           ", which holds " + std::to_string(lsa_size) + " of " + std::to_string(n) +
+           " ranks (another host, or no NVLink/P2P path between the GPUs)";
+  }
+  msg += ", so it must be reached by GIN (GPU-initiated RDMA through a network card), but " +
+         gin_why + ". ";
+  if (in.force_gin) {
+    msg += "Unset JAX_EP_TRANSPORT (or set it to 'auto') to reach LSA peers over NVLink.";
+  } else {
+    msg += "Put the EP axis on GPUs of one NVLink domain, or run where every host has a "
+           "GIN-capable NIC, with jax_ep built against the NCCL (>= 2.28.7) that JAX loads.";
+  }
+  return msg;
+}
+
+TransportPlan PlanTransports(const TransportInputs& in) {
+  TransportPlan plan;
+  const int n = static_cast<int>(in.lsa_member.size());
+  plan.per_peer.assign(n, Transport::kLsa);
+  for (int j = 0; j < n; ++j) {
+    if (j == in.rank) {
+      plan.per_peer[j] = Transport::kSelf;
+    } else if (in.force_gin || !in.lsa_member[j]) {
+      plan.per_peer[j] = Transport::kGin;
+      plan.gin_mask |= 1u << j;
+    }
+  }
+  if (plan.gin_mask != 0) {
+    const std::string why = GinSupportReason(in.gin, in.nccl_version);
+    if (!why.empty()) plan.error = NoTransportMessage(in, FirstBit(plan.gin_mask), why);
+  }
+  return plan;
 }
 
 ncclUniqueId NewUniqueId() {

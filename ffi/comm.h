@@ -1,6 +1,16 @@
 // Communicator registry: per EP group an NCCL communicator, per local device a
-// symmetric window, a device communicator (LSA barriers), the LSA pointers of
-// every rank's window, a host-visible status word and device counters.
+// symmetric window, a device communicator (LSA barriers; GIN contexts and
+// signals when a peer needs them), the LSA pointers of every rank's window, a
+// host-visible status word and device counters.
+//
+// Transport: each peer is reached by LSA (NVLink loads/stores) when it is in
+// NCCL's LSA team of this rank, otherwise by GIN (GPU-initiated RDMA through a
+// network card, kernels/gin.cuh) when this build and the communicator can do
+// GIN; when neither, CreateComm fails naming the peer and why. The variable
+// JAX_EP_TRANSPORT=gin (read at every create; the default is "auto") puts
+// every remote peer on GIN, to exercise the GIN branch on one host; it must
+// be set alike in every process of a group, since the device communicator is
+// created collectively with or without GIN.
 //
 // Lifetime: CreateComm puts a CommResources into a process-wide registry under
 // a fresh comm_id. FFI states hold shared_ptrs to it, but the GPU resources are
@@ -34,6 +44,43 @@ constexpr int kLsaBarrierCount = 64;
 // EpPeers.grid_sync; the rest are free for kernels that need scratch counters.
 constexpr int kNumDeviceCounters = 64;
 
+// How one rank reaches another.
+enum class Transport : uint8_t { kSelf = 0, kLsa = 1, kGin = 2 };
+
+// What jax_ep knows about GIN for a communicator before asking NCCL for a
+// device communicator with GIN in it.
+enum class GinSupport : uint8_t {
+  kNotBuilt = 0,   // the NCCL headers of this build have no GIN device API
+  kUntested = 1,   // this NCCL cannot tell beforehand (2.28): creating it tells
+  kNoDevice = 2,   // NCCL found no GIN-capable network device on every rank
+  kRailOnly = 3,   // GIN only between GPUs of one rail; jax_ep needs all peers
+  kAvailable = 4,
+};
+
+struct TransportInputs {
+  int rank = 0;
+  int device_ordinal = -1;
+  std::vector<bool> lsa_member;  // by EP rank: in NCCL's LSA team of `rank`
+  bool force_gin = false;        // JAX_EP_TRANSPORT=gin
+  GinSupport gin = GinSupport::kNotBuilt;
+  int nccl_version = 0;          // NCCL_VERSION_CODE, for messages
+};
+
+struct TransportPlan {
+  std::vector<Transport> per_peer;  // by EP rank
+  uint32_t gin_mask = 0;            // bit j: per_peer[j] == kGin
+  std::string error;                // non-empty: some peer has no transport
+};
+
+// Pure: the transport of every peer, or the message naming the first peer
+// that has none, why, and what to do.
+TransportPlan PlanTransports(const TransportInputs& in);
+// The message for a peer that needs GIN, when GIN cannot be had because of
+// `gin_why` (a clause, e.g. "NCCL 2.28.9 could not set up GIN: ...").
+std::string NoTransportMessage(const TransportInputs& in, int peer, const std::string& gin_why);
+// "2.28.9" for 22809.
+std::string NcclVersionString(int code);
+
 struct DeviceResources {
   int device_ordinal = -1;
   int rank = -1;       // rank inside the EP group
@@ -45,7 +92,10 @@ struct DeviceResources {
   ncclWindow_t window = nullptr;
   ncclDevComm devcomm{};
   bool devcomm_created = false;
-  char* peer_base[kMaxRanks] = {};  // LSA-mapped window of every rank
+  char* peer_base[kMaxRanks] = {};  // LSA-mapped window of every LSA-reached rank
+  uint32_t gin_mask = 0;            // bit j: rank j is reached by GIN
+  int lsa_team_size = 0;            // NCCL's LSA team of this rank, self included
+  void* gin_dev = nullptr;          // cudaMalloc'ed GinComm when gin_mask != 0
   uint32_t* status_host = nullptr;  // cudaHostAlloc(mapped)
   uint32_t* status_dev = nullptr;   // the same word as the device sees it
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters

@@ -20,4 +20,36 @@ for f in ffi/comm.cc ffi/handlers/*.cc ffi/kernels/*.cu; do
     echo "FAIL $f"; status=1
   fi
 done
+# The GIN helpers are templates and inline functions that no kernel calls
+# yet: instantiate them, with the GIN device API and (JAX_EP_HAVE_GIN=0)
+# without it, so both branches are known to compile against these headers.
+GIN_TU=$(mktemp /tmp/jax_ep_gin_check.XXXXXX.cu)
+trap 'rm -f "$GIN_TU"' EXIT
+cat >"$GIN_TU" <<'CUEOF'
+#include "kernels/gin.cuh"
+__global__ void GinCheckKernel(jax_ep::EpPeers p, size_t off, size_t n, uint64_t want) {
+  const uint32_t s = jax_ep::GinSignalId(p.rank, blockIdx.x);
+  const int j = (p.rank + 1) % p.nranks;
+  if ((p.gin_mask >> j) & 1u) {
+    if (threadIdx.x == 0) {
+      jax_ep::GinPutRange(p, jax_ep::Op::kDispatch, j, off, n, s);
+      jax_ep::GinFlush(p, s);
+      jax_ep::GinWaitSignal(p, jax_ep::Op::kDispatch, s, want, j);
+    }
+    if (threadIdx.x < 32) jax_ep::GinPutRangeWarp(p, jax_ep::Op::kCombine, j, off, n, s);
+  }
+}
+#if JAX_EP_HAVE_GIN
+static_assert(sizeof(jax_ep::GinComm) >= sizeof(ncclDevComm), "GinComm holds the devcomm");
+#endif
+CUEOF
+for gin in auto 0; do
+  def=""; [ "$gin" = 0 ] && def="-DJAX_EP_HAVE_GIN=0"
+  if nvcc -x cu -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+       $def -I ffi -I "$NCCL_INC" -c "$GIN_TU" -o /dev/null; then
+    echo "ok   ffi/kernels/gin.cuh (JAX_EP_HAVE_GIN=$gin)"
+  else
+    echo "FAIL ffi/kernels/gin.cuh (JAX_EP_HAVE_GIN=$gin)"; status=1
+  fi
+done
 exit $status

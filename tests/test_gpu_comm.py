@@ -147,6 +147,53 @@ def test_check_size_against_buffer_size_hint():
             c.check_size(num_ranks=2, tokens_per_rank=4096, hidden=7168, topk=8, num_experts=256)
 
 
+def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works(monkeypatch):
+    """JAX_EP_TRANSPORT=gin puts the other rank on GIN. These machines have no
+    GIN-capable NIC: create must raise a message that names GIN, the peer and
+    the way back (not hang, not succeed), free what it had made, and leave a
+    normal create working in the same process."""
+    mesh = _mesh2()
+    ordinals = [d.local_hardware_id for d in mesh.devices]
+    native = _native.module()
+    monkeypatch.setenv("JAX_EP_TRANSPORT", "gin")
+    try:
+        c = Communicator.create(mesh, h.AXIS, 4 << 20)
+    except RuntimeError as e:
+        msg = str(e)
+    else:  # a machine whose NCCL does have GIN
+        with c:
+            info = sorted(c.info(), key=lambda d: d["rank"])
+            assert [d["gin_mask"] for d in info] == [0b10, 0b01]
+        pytest.skip("this machine has GIN: the forced branch was created, not refused")
+    assert "GIN" in msg and "JAX_EP_TRANSPORT" in msg, msg
+    assert "EP rank" in msg and "device" in msg, msg
+    assert comm_mod.current(h.AXIS) is None
+
+    base = [native.mem_get_info(o)[0] for o in ordinals]
+    for _ in range(4):  # a 256 MiB window per try: a leaked one shows
+        with pytest.raises(RuntimeError, match="GIN"):
+            Communicator.create(mesh, h.AXIS, 256 << 20)
+    after = [native.mem_get_info(o)[0] for o in ordinals]
+    for o, b, a in zip(ordinals, base, after):
+        assert b - a < (128 << 20), f"device {o}: {(b - a) >> 20} MiB not returned"
+
+    monkeypatch.setenv("JAX_EP_TRANSPORT", "auto")
+    x = np.random.default_rng(5).standard_normal((2, 2, 256)).astype(np.float32)
+    with Communicator.create(mesh, h.AXIS, 4 << 20) as c:
+        assert all(d["gin_mask"] == 0 and d["lsa_size"] == 2 for d in c.info())
+        f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id))
+        np.testing.assert_array_equal(np.asarray(f(h.put(mesh, x))), np.swapaxes(x, 0, 1))
+        c.check()
+
+
+def test_an_unknown_transport_setting_is_refused_before_nccl_starts(monkeypatch):
+    mesh = _mesh2()
+    monkeypatch.setenv("JAX_EP_TRANSPORT", "nvlink")
+    with pytest.raises(RuntimeError, match="JAX_EP_TRANSPORT=nvlink is not understood"):
+        Communicator.create(mesh, h.AXIS, 4 << 20)
+    assert comm_mod.current(h.AXIS) is None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -15,6 +15,7 @@
 
 #include "comm.h"
 #include "handlers/state.h"
+#include "kernels/gin.cuh"
 
 namespace nb = nanobind;
 
@@ -76,6 +77,20 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   // work goes onto a communicator in an unknown state.
   std::string msg = comm->TakeStatusMessage(*dev);
   if (!msg.empty()) return ffi::Error::Internal(msg);
+  // The ops' kernels still reach every peer through its LSA pointer, which a
+  // GIN peer does not have: refuse rather than write through a null one.
+  // Lift this per op once its kernels branch on EpPeers::gin_mask.
+  if (dev->gin_mask != 0) {
+    std::string peers;
+    for (int j = 0; j < dev->nranks; ++j) {
+      if ((dev->gin_mask >> j) & 1u) peers += (peers.empty() ? "" : ", ") + std::to_string(j);
+    }
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("jax_ep ") + op + " (EP rank " + std::to_string(dev->rank) +
+                          "): EP rank(s) " + peers +
+                          " are reached by GIN on this communicator, and this op has no GIN "
+                          "data path yet; put the EP axis on GPUs of one NVLink domain");
+  }
   lease.comm = comm;
   lease.dev = dev;
   return ffi::Error::Success();
@@ -174,11 +189,46 @@ void RegisterCudaBindings(nb::module_& m) {
           e["group"] = d.group;
           e["window_bytes"] = d.window_bytes;
           e["lsa_size"] = d.devcomm.lsaSize;
+          e["gin_mask"] = d.gin_mask;
           devices.append(e);
         }
         return devices;
       },
-      nb::arg("comm_id"), "Per local device: ordinal, rank, nranks, group, window_bytes.");
+      nb::arg("comm_id"),
+      "Per local device: ordinal, rank, nranks, group, window_bytes, lsa_size, gin_mask.");
+
+  m.def(
+      "transport_plan",
+      [](int rank, std::vector<int> lsa_member, bool force_gin, const std::string& gin,
+         int nccl_version) {
+        const int n = static_cast<int>(lsa_member.size());
+        if (n < 1 || n > 32 || rank < 0 || rank >= n) {
+          throw std::invalid_argument("need 1..32 ranks and 0 <= rank < len(lsa_member)");
+        }
+        jax_ep::TransportInputs in;
+        in.rank = rank;
+        for (int member : lsa_member) in.lsa_member.push_back(member != 0);
+        in.force_gin = force_gin;
+        in.nccl_version = nccl_version;
+        if (gin == "not_built") in.gin = jax_ep::GinSupport::kNotBuilt;
+        else if (gin == "untested") in.gin = jax_ep::GinSupport::kUntested;
+        else if (gin == "no_device") in.gin = jax_ep::GinSupport::kNoDevice;
+        else if (gin == "rail_only") in.gin = jax_ep::GinSupport::kRailOnly;
+        else if (gin == "available") in.gin = jax_ep::GinSupport::kAvailable;
+        else throw std::invalid_argument("unknown GIN support '" + gin + "'");
+        const jax_ep::TransportPlan plan = jax_ep::PlanTransports(in);
+        std::vector<std::string> names;
+        for (jax_ep::Transport t : plan.per_peer) {
+          names.push_back(t == jax_ep::Transport::kSelf ? "self"
+                          : t == jax_ep::Transport::kLsa ? "lsa" : "gin");
+        }
+        return std::make_tuple(names, plan.gin_mask, plan.error);
+      },
+      nb::arg("rank"), nb::arg("lsa_member"), nb::arg("force_gin"), nb::arg("gin"),
+      nb::arg("nccl_version"),
+      "The per-peer transport choice made at create, as a pure function: "
+      "(['self'|'lsa'|'gin' per rank], gin_mask, error message or ''). gin is one of "
+      "not_built, untested, no_device, rail_only, available.");
 
   m.def(
       "status_message",
@@ -229,5 +279,6 @@ void RegisterCudaBindings(nb::module_& m) {
   }, "(name, {'type_id': capsule, 'type_info': capsule}) for jax.ffi.register_ffi_type.");
 
   m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
+  m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);
   m.attr("window_header_bytes") = jax_ep::kWindowHeaderBytes;
 }

@@ -39,6 +39,8 @@ struct EpPeers {
   unsigned long long* epoch;      // device-local barrier epoch counter
   unsigned long long* grid_sync;  // device-local counter for grid barriers
   unsigned long long timeout_ns;  // give up waiting on a peer after this
+  uint32_t gin_mask;              // bit j: rank j is reached by GIN, base[j] is null
+  const void* gin;                // GIN state (gin.cuh's GinComm), null without GIN
 };
 
 __device__ __forceinline__ unsigned long long globaltimer_ns() {

@@ -17,7 +17,6 @@
 #include <cuda_fp16.h>
 
 #include "ep_copy.cuh"
-#include "tma.cuh"
 #include "vec16.cuh"
 #include "ep_kernels.h"
 #include "window_layout.h"
@@ -107,20 +106,14 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
 
 // y row `row` into slot `slot` of `dst_base`'s window, weight after it, and
 // count it on `counter` (in the same window) once it is visible.
-template <bool kTma>
 __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const CombineWindow& w,
                                                const CombineIO& io, char* dst_base, size_t slot,
-                                               int row, uint32_t* counter, WarpTma& tma) {
+                                               int row, uint32_t* counter) {
   const int lane = LaneId();
   const int nvec = static_cast<int>(w.payload_bytes / 16);
   char* dst_row = dst_base + w.recv_off + slot * w.row_bytes;
   if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
   const char* yrow = static_cast<const char*>(io.y) + static_cast<size_t>(row) * w.payload_bytes;
-  if constexpr (kTma) {
-    TmaRowCopy(tma, yrow, static_cast<uint32_t>(w.payload_bytes), dst_row, 1u, nullptr, 0u);
-    CountRowsDone(counter, 1u);
-    return;
-  }
   const uint4* src = reinterpret_cast<const uint4*>(yrow);
   for (int base = 0; base < nvec; base += 32 * kUnroll) {
     uint4 v[kUnroll];
@@ -199,11 +192,10 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
 //    order of DESIGN §2 (ascending rank, then local expert, then k) with
 //    __fmul_rn / __fadd_rn, exactly jax_ep.reference.combine. In rank
 //    layout a token's own-rank row is read straight from y.
-template <typename TY, bool kHasW, bool kTma>
+template <typename TY, bool kHasW>
 __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, CombineWindow w,
                                                                   EpPeers p, CombineIO io,
                                                                   int send_blocks) {
-  extern __shared__ __align__(128) char tma_smem[];
   __shared__ int s_prefix[kMaxRanks + 1];
   __shared__ int s_sent[kMaxRanks];       // rows my handle expects from rank j
   __shared__ int s_announced[kMaxRanks];  // rows rank j said it sends me
@@ -248,9 +240,6 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   }
 
   if (sender) {
-    // Bulk stores are drained row by row (CountRowsDone) before the CTA ends.
-    WarpTma tma{};
-    if constexpr (kTma) tma = TmaInit(tma_smem);
     const int sw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
     const int nsw = send_blocks * kWarps;
     if (!c.expert) {
@@ -261,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
           const int j = (r + d) % R;
           if (pos >= s_prefix[j + 1] - s_prefix[j]) continue;
           char* const jbase = ShflPtr(lane_base, j);
-          SendCombineRow<kTma>(c, w, io, jbase, static_cast<size_t>(r) * c.T + pos, s_prefix[j] + pos,
-                               ChunkCounter(jbase, r, pos / chunk), tma);
+          SendCombineRow(c, w, io, jbase, static_cast<size_t>(r) * c.T + pos, s_prefix[j] + pos,
+                         ChunkCounter(jbase, r, pos / chunk));
         }
       }
     } else {
@@ -271,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
         if (s < 0) continue;
         const int t = io.src_token[row], k = io.src_k[row];
         char* const sbase = ShflPtr(lane_base, s);
-        SendCombineRow<kTma>(c, w, io, sbase, static_cast<size_t>(t) * c.K + k, row,
-                             ChunkCounter(sbase, r, t / chunk), tma);
+        SendCombineRow(c, w, io, sbase, static_cast<size_t>(t) * c.K + k, row,
+                       ChunkCounter(sbase, r, t / chunk));
       }
     }
     return;
@@ -405,31 +394,11 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   }
 }
 
-template <typename TY, bool kHasW, bool kTma>
-cudaError_t LaunchData(int grid, int send_blocks, cudaStream_t stream, const CombineCfg& c,
-                       const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  auto* k = CombineDataKernel<TY, kHasW, kTma>;
-  size_t smem = 0;
-  if (kTma) {
-    smem = TmaSmemBytes(kThreads / 32);
-    if (cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        e != cudaSuccess)
-      return e;
-  }
-  k<<<grid, kThreads, smem, stream>>>(c, w, p, io, send_blocks);
-  return cudaSuccess;
-}
-
 template <typename TY>
-cudaError_t LaunchData(int grid, int send_blocks, cudaStream_t stream, const CombineCfg& c,
-                       const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  const bool tma = UseTma();
-  if (c.has_w) {
-    return tma ? LaunchData<TY, true, true>(grid, send_blocks, stream, c, w, p, io)
-               : LaunchData<TY, true, false>(grid, send_blocks, stream, c, w, p, io);
-  }
-  return tma ? LaunchData<TY, false, true>(grid, send_blocks, stream, c, w, p, io)
-             : LaunchData<TY, false, false>(grid, send_blocks, stream, c, w, p, io);
+void LaunchData(int grid, int send_blocks, cudaStream_t stream, const CombineCfg& c,
+                const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
+  if (c.has_w) CombineDataKernel<TY, true><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks);
+  else CombineDataKernel<TY, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks);
 }
 
 }  // namespace
@@ -476,13 +445,11 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   SplitDataBlocks(a.num_sms, c.T, kThreads / 32, R, 0.5, &send_blocks, &recv_blocks);
   if (recv_blocks == 0) recv_blocks = std::max(1, send_blocks / 2);  // one rank: reducers only matter
   const int grid = send_blocks + recv_blocks;
-  cudaError_t err;
   switch (a.y_dtype) {
-    case EpDtype::kBF16: err = LaunchData<__nv_bfloat16>(grid, send_blocks, stream, c, w, p, io); break;
-    case EpDtype::kF16: err = LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
-    default: err = LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
+    case EpDtype::kBF16: LaunchData<__nv_bfloat16>(grid, send_blocks, stream, c, w, p, io); break;
+    case EpDtype::kF16: LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
+    default: LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
   }
-  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 

@@ -24,7 +24,6 @@
 #include <string>
 
 #include "ep_copy.cuh"
-#include "tma.cuh"
 #include "ep_kernels.h"
 #include "fp8.cuh"
 #include "window_layout.h"
@@ -386,8 +385,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 //    each source: it waits until the row's chunk is complete and copies it
 //    from the window into the outputs (fanning out per local expert in
 //    expert layout).
-// Senders never wait, so the roles need not be co-resident. kTma: payloads
-// move through the bulk-copy unit (tma.cuh), else through registers.
+// Senders never wait, so the roles need not be co-resident.
 //
 // kSendOk (agreed by every rank in the control kernel) gates all sending and
 // waiting; kOk (this rank's own view: no overflow either) gates all writes
@@ -397,11 +395,11 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 // Token t to the ranks in `dest` (lane j < R holds its row position in rank
 // j as `pos`, and lane_base = that rank's window), payload cast to FP8 on
 // the way if kCast. Returns with the stores possibly still in flight.
-template <typename TIn, bool kCast, bool kTma>
+template <typename TIn, bool kCast>
 __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWindow& w,
                                           const EpPeers& p, const PushIO& io, const int* scratch,
                                           const int* rie, int t, int pos, unsigned dest,
-                                          char* lane_base, int local_prefix, WarpTma& tma) {
+                                          char* lane_base, int local_prefix) {
   const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
@@ -428,7 +426,9 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
   // Lane i in out_mask: an output row this token fills here.
   const int lane_out = c.expert ? local_row : rank_row;
   char* const lane_out_row = lane_out >= 0 ? recv_x + static_cast<size_t>(lane_out) * w.payload_bytes : nullptr;
-  float* const lane_out_scales = lane_out >= 0 ? io.recv_scales + static_cast<size_t>(lane_out) * H128 : nullptr;
+  auto lane_out_scales = [&]() -> float* {
+    return lane_out >= 0 ? io.recv_scales + static_cast<size_t>(lane_out) * H128 : nullptr;
+  };
 
   // Metadata: remote rows (ids already converted for that destination).
   for (unsigned m = remote_mask; m; m &= m - 1) {
@@ -466,10 +466,7 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
 
   const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
   const char* xrow = static_cast<const char*>(io.x) + t * in_row_bytes;
-  if constexpr (kTma && !kCast) {
-    TmaRowCopy(tma, xrow, static_cast<uint32_t>(in_row_bytes), lane_row, remote_mask, lane_out_row,
-               out_mask);
-  } else {
+  {
     const int nvec = static_cast<int>(in_row_bytes / 16);
     const uint4* xv = reinterpret_cast<const uint4*>(xrow);
     for (int base = 0; base < nvec; base += 32 * kUnroll) {
@@ -523,7 +520,7 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
           put(row, reinterpret_cast<float*>(row + w.scales_off));
         }
         for (unsigned m = out_mask; m; m &= m - 1)
-          put(ShflPtr(lane_out_row, __ffs(m) - 1), ShflPtr(lane_out_scales, __ffs(m) - 1));
+          put(ShflPtr(lane_out_row, __ffs(m) - 1), ShflPtr(lane_out_scales(), __ffs(m) - 1));
       }
     }
   }
@@ -535,7 +532,7 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
       for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
     }
     for (unsigned m = out_mask; m; m &= m - 1) {
-      float* srow = ShflPtr(lane_out_scales, __ffs(m) - 1);
+      float* srow = ShflPtr(lane_out_scales(), __ffs(m) - 1);
       for (int i = lane; i < H128; i += 32) srow[i] = xs[i];
     }
   }
@@ -575,10 +572,9 @@ struct RowWriter {
 // Row p from source s (already complete in this rank's window) into the
 // outputs: rank layout row prefix[s] + p; expert layout one row per local
 // expert the token chose, at the sender's rie inside the (expert, s) block.
-template <bool kTma>
 __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWindow& w,
                                         const EpPeers& p, const PushIO& io, const int* scratch,
-                                        const int* s_prefix, int s, int pos, WarpTma& tma) {
+                                        const int* s_prefix, int s, int pos) {
   const int R = p.nranks, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
@@ -590,16 +586,11 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   const uint4* sv = reinterpret_cast<const uint4*>(src);
   if (!c.expert) {
     const int row = s_prefix[s] + pos;
-    char* const drow = recv_x + static_cast<size_t>(row) * w.payload_bytes;
-    if constexpr (kTma) {
-      TmaRowCopy(tma, src, static_cast<uint32_t>(w.payload_bytes), drow, 1u, nullptr, 0u);
-    } else {
-      uint4* dst = reinterpret_cast<uint4*>(drow);
-      for (int base = 0; base < nvec; base += 32 * kUnroll) {
-        uint4 v[kUnroll];
-        LoadChunk(sv, base, nvec, lane, v);
-        StoreChunk(dst, base, nvec, lane, v);
-      }
+    uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+      LoadChunk(sv, base, nvec, lane, v);
+      StoreChunk(dst, base, nvec, lane, v);
     }
     if (c.has_scales) {
       const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
@@ -630,17 +621,12 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
     io.src_token[orow] = tok;
     io.src_k[orow] = lane;
   }
-  if constexpr (kTma) {
-    char* const drow = orow >= 0 ? recv_x + static_cast<size_t>(orow) * w.payload_bytes : nullptr;
-    TmaRowCopy(tma, src, static_cast<uint32_t>(w.payload_bytes), drow, omask, nullptr, 0u);
-  } else {
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-      LoadChunk(sv, base, nvec, lane, v);
-      for (unsigned m = omask; m; m &= m - 1) {
-        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
-        StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
-      }
+  for (int base = 0; base < nvec; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+    LoadChunk(sv, base, nvec, lane, v);
+    for (unsigned m = omask; m; m &= m - 1) {
+      const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+      StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
     }
   }
   if (c.has_scales) {
@@ -653,12 +639,11 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   }
 }
 
-template <typename TIn, bool kCast, bool kTma, int kThreads>
+template <typename TIn, bool kCast, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c, DispatchWindow w,
                                                                    EpPeers p, PushIO io,
                                                                    int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
-  extern __shared__ __align__(128) char tma_smem[];
   const int R = p.nranks, r = p.rank;
   const DispatchScratch sc(R, c.E);
   const int* scratch = ScratchOf(p, w);
@@ -672,8 +657,6 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   const int gwarps = static_cast<int>(gridDim.x) * kWarps;
   const RowWriter out{c, w, io, lane};
   const int chunk = ChunkRows(c.T);
-  WarpTma tma{};
-  if constexpr (kTma) tma = TmaInit(tma_smem);
 
   // Padding and tail rows are not data rows of anyone: fill them first.
   if (ok) {
@@ -698,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
       unsigned dest = __ballot_sync(kFullMask, pos >= 0);
       if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
       if (dest == 0) continue;
-      SendToken<TIn, kCast, kTma>(c, w, p, io, scratch, rie, t, pos, dest, lane_base, s_prefix[r], tma);
+      SendToken<TIn, kCast>(c, w, p, io, scratch, rie, t, pos, dest, lane_base, s_prefix[r]);
       const unsigned remote = dest & ~(1u << r);
       if (remote) CountRowsDone(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
     }
@@ -717,21 +700,13 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         const int ch = pos / chunk;
         const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
         alive = WaitChunk(p, ChunkCounter(p.base[r], s, ch), expected, Op::kDispatch, s, t0);
-        if (alive && ok) {
-          if constexpr (kTma) TmaAcquired();
-          RecvRow<kTma>(c, w, p, io, scratch, s_prefix, s, pos, tma);
-        }
+        if (alive && ok) RecvRow(c, w, p, io, scratch, s_prefix, s, pos);
       }
     }
   }
 
   if (!ok) {
     for (int row = gwarp; row < c.C; row += gwarps) out.Zero(row);
-  }
-  // Bulk stores still in flight must finish before the CTA's shared memory
-  // goes away.
-  if constexpr (kTma) {
-    if (lane == 0) TmaDrainLane0();
   }
 }
 
@@ -765,14 +740,6 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
   return std::max(1, std::min(cap, needed));
-}
-
-bool UseTma() {
-  static const bool on = [] {
-    const char* env = std::getenv("JAX_EP_TMA");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  return on;
 }
 
 void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
@@ -853,23 +820,13 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   SplitDataBlocks(a.num_sms, c.T, threads / 32, R, 1.0 / 3.0, &send_blocks, &recv_blocks);
   const int grid = send_blocks + recv_blocks;
   if (!cast) {
-    if (UseTma()) {
-      auto* k = DispatchDataKernel<uint8_t, false, true, kDataThreads>;
-      const size_t smem = TmaSmemBytes(kDataThreads / 32);
-      if (cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem));
-          e != cudaSuccess)
-        return e;
-      k<<<grid, kDataThreads, smem, stream>>>(c, w, p, io, send_blocks);
-    } else {
-      DispatchDataKernel<uint8_t, false, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);
-    }
+    DispatchDataKernel<uint8_t, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else if (a.x_dtype == EpDtype::kBF16) {
-    DispatchDataKernel<__nv_bfloat16, true, false, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<__nv_bfloat16, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else if (a.x_dtype == EpDtype::kF16) {
-    DispatchDataKernel<__half, true, false, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<__half, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   } else {
-    DispatchDataKernel<float, true, false, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   }
   return cudaGetLastError();
 }

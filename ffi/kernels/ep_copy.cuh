@@ -124,16 +124,11 @@ __device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
 
 // The warp has finished storing its rows to the destinations in `mask`; lane
 // j holds the chunk counter of its row in rank j's window. Make the rows
-// visible system-wide (bulk stores included: wait_group 0 is free when none
-// is outstanding), then count each. bar.warp.sync orders the other lanes'
-// stores before lane 0's fence, which is cumulative.
+// visible system-wide, then count each. bar.warp.sync orders the other
+// lanes' stores before lane 0's fence, which is cumulative.
 __device__ __forceinline__ void CountRowsDone(uint32_t* counter, unsigned mask) {
   __syncwarp();
-  if (LaneId() == 0) {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    __threadfence_system();
-  }
+  if (LaneId() == 0) __threadfence_system();
   for (unsigned m = mask; m; m &= m - 1) {
     uint32_t* c = ShflPtr(counter, __ffs(m) - 1);
     if (LaneId() == 0) asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
@@ -154,6 +149,9 @@ __device__ inline bool WaitChunk(const EpPeers& p, const uint32_t* counter, uint
       uint32_t v;
       asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
       if (v >= expected) break;
+      // Hundreds of warps poll: back off so the polls do not crowd the L2
+      // slices that the peer's row stores and counter adds go through.
+      __nanosleep(128);
       if ((++polls & 63u) == 0u && globaltimer_ns() - t0 > p.timeout_ns) {
         report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(src));
         ok = 0;

@@ -98,6 +98,13 @@ for b in benchmarks/bench_*.py; do
   fi
 done
 
+note "profile (per-kernel GPU times of dispatch / combine)"
+if [ "$build" = ok ]; then
+  timeout 300 "$PY" benchmarks/profile_normal.py --out "$BENCH" >"$LOGS/profile_normal.log" 2>&1 \
+    || { status=1; bench_failed="$bench_failed profile_normal"; }
+  grep -E "calls|Kernel " "$LOGS/profile_normal.log" | grep -v "host:CPU" | head -24
+fi
+
 # Pack: logs and benchmark outputs as two archives; JSON also loose if few.
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 if [ -n "$(ls -A "$BENCH")" ]; then

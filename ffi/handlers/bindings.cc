@@ -16,6 +16,7 @@
 #include "comm.h"
 #include "handlers/state.h"
 #include "kernels/gin.cuh"
+#include "kernels/window_layout.h"
 
 namespace nb = nanobind;
 
@@ -277,6 +278,16 @@ void RegisterCudaBindings(nb::module_& m) {
         const_cast<void*>(reinterpret_cast<const void*>(&jax_ep::kCommStateTypeInfo)));
     return nb::make_tuple("jax_ep.CommState", d);
   }, "(name, {'type_id': capsule, 'type_info': capsule}) for jax.ffi.register_ffi_type.");
+
+  m.def(
+      "window_bytes_needed",
+      [](int R, int T, int H, int K, int E, int x_bytes, bool fp8, int y_bytes) {
+        return jax_ep::WindowBytesNeeded(R, T, H, K, E, x_bytes, fp8, y_bytes);
+      },
+      nb::arg("num_ranks"), nb::arg("tokens_per_rank"), nb::arg("hidden"), nb::arg("topk"),
+      nb::arg("num_experts"), nb::arg("x_bytes"), nb::arg("fp8"), nb::arg("y_bytes"),
+      "The kernels' own window need for normal dispatch + combine (window_layout.h); "
+      "jax_ep._ffi_dispatch.window_bytes_needed must agree with it.");
 
   m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
   m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);

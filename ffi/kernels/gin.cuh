@@ -133,19 +133,32 @@ __device__ __forceinline__ void Put(const GinComm& g, Coop coop, int peer, size_
 // Returns false, with the status word set, when GIN cannot be used for that
 // peer, the range leaves the window or the signal is not one of jax_ep's.
 __device__ inline bool GinPutRange(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
-                                   uint32_t signal) {
-  if (!gin_detail::Usable(p, op, peer)) return false;
+                                   uint32_t signal);
+
+// Same as GinPutRange, called by all 32 lanes of one warp with the same
+// arguments (lane 0 issues; the lanes synchronise around it). For code that
+// already runs a warp per chunk and would otherwise branch on the lane.
+__device__ inline bool GinPutRangeWarp(const EpPeers& p, Op op, int peer, size_t off,
+                                       size_t bytes, uint32_t signal);
+
+namespace gin_detail {
+// The checks both put flavours share; the put itself by one thread or a warp.
+template <bool kWarp>
+__device__ inline bool CheckedPut(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
+                                  uint32_t signal) {
+  if (!Usable(p, op, peer)) return false;
   if (off > p.window_bytes || bytes > p.window_bytes - off) {
     report_error(p, op, Cause::kWindowTooSmall);
     return false;
   }
 #if JAX_EP_HAVE_GIN
-  const GinComm& g = gin_detail::Comm(p);
+  const GinComm& g = Comm(p);
   if (signal >= g.signal_count) {
     report_error(p, op, kGinUnavailable, static_cast<uint32_t>(peer));
     return false;
   }
-  gin_detail::Put(g, ncclCoopThread{}, peer, off, bytes, signal);
+  if constexpr (kWarp) Put(g, ncclCoopWarp{}, peer, off, bytes, signal);
+  else Put(g, ncclCoopThread{}, peer, off, bytes, signal);
   return true;
 #else
   (void)signal;
@@ -153,30 +166,16 @@ __device__ inline bool GinPutRange(const EpPeers& p, Op op, int peer, size_t off
   return false;
 #endif
 }
+}  // namespace gin_detail
 
-// Same as GinPutRange, called by all 32 lanes of one warp with the same
-// arguments (lane 0 issues; the lanes synchronise around it). For code that
-// already runs a warp per chunk and would otherwise branch on the lane.
+__device__ inline bool GinPutRange(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
+                                   uint32_t signal) {
+  return gin_detail::CheckedPut<false>(p, op, peer, off, bytes, signal);
+}
+
 __device__ inline bool GinPutRangeWarp(const EpPeers& p, Op op, int peer, size_t off,
                                        size_t bytes, uint32_t signal) {
-  if (!gin_detail::Usable(p, op, peer)) return false;
-  if (off > p.window_bytes || bytes > p.window_bytes - off) {
-    report_error(p, op, Cause::kWindowTooSmall);
-    return false;
-  }
-#if JAX_EP_HAVE_GIN
-  const GinComm& g = gin_detail::Comm(p);
-  if (signal >= g.signal_count) {
-    report_error(p, op, kGinUnavailable, static_cast<uint32_t>(peer));
-    return false;
-  }
-  gin_detail::Put(g, ncclCoopWarp{}, peer, off, bytes, signal);
-  return true;
-#else
-  (void)signal;
-  report_error(p, op, kGinUnavailable, static_cast<uint32_t>(peer));
-  return false;
-#endif
+  return gin_detail::CheckedPut<true>(p, op, peer, off, bytes, signal);
 }
 
 // After it returns, the source bytes of every put this thread issued with

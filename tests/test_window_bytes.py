@@ -1,0 +1,30 @@
+"""The Python size hint must equal the kernels' own window need.
+
+`jax_ep.get_buffer_size_hint` (and the benchmarks) size the window with
+`_ffi_dispatch.window_bytes_needed`, a Python mirror of window_layout.h; a
+mirror that under-counts makes every dispatch fail with "window too small".
+This compares the two over shapes that exercise each term (ranks, tokens,
+hidden, top-k, experts, dtype bytes, FP8)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jax_ep import _native, _ffi_dispatch
+
+pytestmark = pytest.mark.skipif(not _native.cuda_built(), reason="needs jax_ep's CUDA build")
+
+
+@pytest.mark.parametrize("R,T,H,K,E", [
+    (1, 0, 128, 1, 8), (2, 1, 128, 1, 8), (2, 4096, 7168, 8, 256), (4, 127, 2048, 6, 64),
+    (8, 128, 7168, 8, 256), (8, 16384, 2048, 32, 1024), (2, 8192, 4096, 1, 2),
+])
+def test_python_window_hint_equals_kernel_layout(R, T, H, K, E):
+  m = _native.module()
+  for x_bytes, fp8, y_bytes in itertools.product((2, 4), (False, True), (2, 4)):
+    want = m.window_bytes_needed(R, T, H, K, E, x_bytes, fp8, y_bytes)
+    got = _ffi_dispatch.window_bytes_needed(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
+                                            num_experts=E, x_bytes=x_bytes, fp8=fp8,
+                                            y_bytes=y_bytes)
+    assert got == want, (R, T, H, K, E, x_bytes, fp8, y_bytes, got, want)

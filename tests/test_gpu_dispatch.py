@@ -7,6 +7,8 @@ the reference's in its fixed float32 order, i.e. bitwise too.
 from __future__ import annotations
 
 import functools
+import itertools
+import os
 
 import numpy as np
 import pytest
@@ -112,6 +114,15 @@ CASES = [
     (127, 2048, 8, 256, "fp8_pair", "random"),
     (4096, 7168, 8, 256, "fp8_pair", "random"),
 ]
+# The full product T x H x K x E (bf16 and FP8 pairs, random routing
+# with -1 ids) on top: 210 more cases (420 tests with both layouts), many
+# minutes of compiling, so opt-in (not run yet: no device time was left):
+#   JAX_EP_FULL_MATRIX=1 pytest -m gpu tests/test_gpu_dispatch.py -k bitwise
+if os.environ.get("JAX_EP_FULL_MATRIX") == "1":
+  CASES += [(T, H, K, E, dt, "random")
+            for T, H, K, E, dt in itertools.product((0, 1, 127, 4096), (128, 2048, 7168), (1, 6, 8),
+                                                    (8, 64, 256), ("bfloat16", "fp8_pair"))
+            if (T, H, K, E, dt, "random") not in CASES]
 
 
 @pytest.mark.parametrize("layout", ["rank", "expert"])

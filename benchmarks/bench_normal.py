@@ -288,14 +288,12 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
 
   bf16_row = h * 2
   fp8_row = h + (h // 128) * 4
-  need = jax_ep.get_buffer_size_hint if jax_ep.get_buffer_size_hint else None
   comm = None
   if "jax_ep" in impls:
     from jax_ep._ffi_dispatch import window_bytes_needed
     nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
                                               hidden=h, topk=shape.topk, num_experts=shape.experts))
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
-  del need
   try:
     for impl in impls:
       if impl in ("jax_ep", "reference"):

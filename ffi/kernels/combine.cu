@@ -49,8 +49,6 @@ struct CombineIO {
   void* out;
 };
 
-// Counters are per (sender, chunk of the source's tokens / positions).
-__host__ __device__ __forceinline__ int CombineChunkRows(const CombineCfg& c) { return ChunkRows(c.T); }
 
 // One block: zero this op's counters, check that the handle describes a
 // dispatch of this communicator (so the senders never meet a row they cannot
@@ -65,7 +63,7 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
   __shared__ int s_sum;
   __shared__ int s_send[kMaxRanks];
   const int R = p.nranks, r = p.rank;
-  ZeroChunkCounters(p, NumChunks(c.T, CombineChunkRows(c)));
+  ZeroChunkCounters(p, NumChunks(c.T, ChunkRows(c.T)));
   if (threadIdx.x == 0) {
     s_bad = 0;
     s_sum = 0;
@@ -222,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   }
   __syncthreads();
   const bool ok = s_ok != 0;  // the same on every rank (start kernel)
-  const int chunk = CombineChunkRows(c);
+  const int chunk = ChunkRows(c.T);  // of the source's positions (rank) / tokens (expert)
   char* const lane_base = p.base[lane < R ? lane : 0];
   char* const my = p.base[r];
 

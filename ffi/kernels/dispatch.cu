@@ -362,7 +362,6 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
     if (overflow) report_error(p, Op::kDispatch, Cause::kCapacityOverflow);
     scratch[DispatchScratch::kOk] = ok ? 1 : 0;
     scratch[DispatchScratch::kSendOk] = fail ? 0 : 1;
-    scratch[DispatchScratch::kTotal] = ok ? s_total : 0;
   }
   if (tid < R) {
     const int v = ok ? s_counts[tid * nslots + (c.expert ? 1 : 0)] : 0;

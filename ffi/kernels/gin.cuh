@@ -117,31 +117,7 @@ __device__ __forceinline__ void Put(const GinComm& g, Coop coop, int peer, size_
 }
 #endif
 
-}  // namespace gin_detail
 
-// Copies bytes [off, off + bytes) of this rank's window to the same offsets of
-// peer `peer`'s window and, once they have landed there, adds 1 to signal
-// `signal` (a GinSignalId(p.rank, channel)) on that peer. bytes == 0 sends the
-// signal alone.
-//
-// ONE thread calls it. The bytes must already be in this rank's window, and
-// written by this thread or by threads that synchronised with it first
-// (__syncthreads / a grid barrier): the put releases at device scope before
-// the network card reads them. The put is asynchronous: the source bytes must
-// not change until GinFlush(p, signal) by the same thread says the card has
-// read them (or until the peer has answered after its GinWaitSignal).
-// Returns false, with the status word set, when GIN cannot be used for that
-// peer, the range leaves the window or the signal is not one of jax_ep's.
-__device__ inline bool GinPutRange(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
-                                   uint32_t signal);
-
-// Same as GinPutRange, called by all 32 lanes of one warp with the same
-// arguments (lane 0 issues; the lanes synchronise around it). For code that
-// already runs a warp per chunk and would otherwise branch on the lane.
-__device__ inline bool GinPutRangeWarp(const EpPeers& p, Op op, int peer, size_t off,
-                                       size_t bytes, uint32_t signal);
-
-namespace gin_detail {
 // The checks both put flavours share; the put itself by one thread or a warp.
 template <bool kWarp>
 __device__ inline bool CheckedPut(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
@@ -168,11 +144,27 @@ __device__ inline bool CheckedPut(const EpPeers& p, Op op, int peer, size_t off,
 }
 }  // namespace gin_detail
 
+// Copies bytes [off, off + bytes) of this rank's window to the same offsets of
+// peer `peer`'s window and, once they have landed there, adds 1 to signal
+// `signal` (a GinSignalId(p.rank, channel)) on that peer. bytes == 0 sends the
+// signal alone.
+//
+// ONE thread calls it. The bytes must already be in this rank's window, and
+// written by this thread or by threads that synchronised with it first
+// (__syncthreads / a grid barrier): the put releases at device scope before
+// the network card reads them. The put is asynchronous: the source bytes must
+// not change until GinFlush(p, signal) by the same thread says the card has
+// read them (or until the peer has answered after its GinWaitSignal).
+// Returns false, with the status word set, when GIN cannot be used for that
+// peer, the range leaves the window or the signal is not one of jax_ep's.
 __device__ inline bool GinPutRange(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
                                    uint32_t signal) {
   return gin_detail::CheckedPut<false>(p, op, peer, off, bytes, signal);
 }
 
+// Same as GinPutRange, called by all 32 lanes of one warp with the same
+// arguments (lane 0 issues; the lanes synchronise around it). For code that
+// already runs a warp per chunk and would otherwise branch on the lane.
 __device__ inline bool GinPutRangeWarp(const EpPeers& p, Op op, int peer, size_t off,
                                        size_t bytes, uint32_t signal) {
   return gin_detail::CheckedPut<true>(p, op, peer, off, bytes, signal);

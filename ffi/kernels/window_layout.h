@@ -81,7 +81,7 @@ JAX_EP_HD int NumChunks(long long rows, int chunk_rows) {
 struct DispatchScratch {
   // Fixed slots.
   static constexpr int kOk = 0;          // 1: this op may write outputs
-  static constexpr int kTotal = 1;       // rows written (rank: sum counts; expert: padded sum)
+  // slot 1 unused
   static constexpr int kBadIds = 2;      // set by the prep kernel
   static constexpr int kSendOk = 3;      // 1: every rank agreed to send (counts exchanged)
   static constexpr int kFixed = 16;
@@ -140,7 +140,6 @@ struct DispatchWindow {
 struct CombineWindow {
   size_t ok_off, sent_off, recv_off;
   size_t payload_bytes, weight_off, row_bytes, end;
-  int slots_per_block;  // rank layout: T (slot = j*T + pos); expert: K (slot = t*K + k)
 
   JAX_EP_HD CombineWindow(int R, int T, int H, int K, int elem_bytes, bool expert_layout) {
     ok_off = kOpAreaOffset;
@@ -150,7 +149,6 @@ struct CombineWindow {
     weight_off = Align16(payload_bytes);
     row_bytes = weight_off + 16;
     const size_t slots = expert_layout ? static_cast<size_t>(T) * K : static_cast<size_t>(R) * T;
-    slots_per_block = expert_layout ? K : T;
     end = recv_off + slots * row_bytes;
   }
 };

@@ -3,7 +3,10 @@
 4096 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
 BF16 and FP8 dispatch, BF16 combine, rank layout (DeepEP "normal"). Measured in
 the same process run:
-  jax_ep                  the CUDA kernels (backend="cuda")
+  jax_ep                  the CUDA kernels (backend="cuda"), remote rows by copy engine
+                          at R = 2 (ffi/kernels/ce_push.h)
+  jax_ep_sm               the same kernels with JAX_EP_REMOTE=sm: remote rows by SM
+                          NVLink stores
   reference               jax_ep's pure-JAX backend (backend="reference")
   jax_ragged_all_to_all   sort by expert + lax.ragged_all_to_all (MaxText style)
   jax_capacity_all_to_all per-expert capacity-padded lax.all_to_all (factor 1.25)
@@ -266,8 +269,8 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
   sms = int(os.environ.get("JAX_EP_NUM_SMS", "0")) or 24
   results = []
-  impls = impls or ["jax_ep", "reference", "jax_all_to_all", "jax_capacity_all_to_all",
-                    "jax_ragged_all_to_all"]
+  impls = impls or ["jax_ep", "jax_ep_sm", "reference", "jax_all_to_all",
+                    "jax_capacity_all_to_all", "jax_ragged_all_to_all"]
 
   def record(bench, impl, dtype, t, row_bytes, nsms=None):
     nv, lg = _bytes(idx_np, shape, row_bytes)
@@ -289,22 +292,26 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   bf16_row = h * 2
   fp8_row = h + (h // 128) * 4
   comm = None
-  if "jax_ep" in impls:
+  if any(i.startswith("jax_ep") for i in impls):
     from jax_ep._ffi_dispatch import window_bytes_needed
     nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
                                               hidden=h, topk=shape.topk, num_experts=shape.experts))
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
     for impl in impls:
-      if impl in ("jax_ep", "reference"):
-        backend = "cuda" if impl == "jax_ep" else "reference"
-        nsms = sms if impl == "jax_ep" else None
+      if impl in ("jax_ep", "jax_ep_sm", "reference"):
+        backend = "reference" if impl == "reference" else "cuda"
+        nsms = None if impl == "reference" else sms
+        # Read by the kernels' launcher at every call (ce_push.h).
+        remote_before = os.environ.get("JAX_EP_REMOTE")
+        if impl == "jax_ep_sm":
+          os.environ["JAX_EP_REMOTE"] = "sm"
         f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
         bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
         f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
         bench("normal_dispatch", impl, "fp8", f_fp8, (*x_fp8, topk_idx, w), fp8_row, nsms)
         f_cast = smap(lambda x, i, w, b=backend: disp(x, i, w, fp8=True, backend=b).recv_x)
-        bench("normal_dispatch", impl + ("_cast" if impl == "jax_ep" else "_cast"), "fp8",
+        bench("normal_dispatch", impl + "_cast", "fp8",
               f_cast, (x, topk_idx, w), fp8_row, nsms)
 
         def comb(x, i, w, b=backend):
@@ -314,6 +321,10 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
         row_w = rw.max(axis=-1)  # a per-row weight (rank layout rows carry K weights)
         f_comb = smap(lambda y, hd, wr, b=backend: jax_ep.combine(y, hd, wr, backend=b))
         bench("normal_combine", impl, "bf16", f_comb, (recv, handle, row_w), bf16_row, nsms)
+        if remote_before is None:
+          os.environ.pop("JAX_EP_REMOTE", None)
+        else:
+          os.environ["JAX_EP_REMOTE"] = remote_before
       elif impl == "jax_all_to_all":
         f = smap(functools.partial(_dense_all_to_all_dispatch, shape=shape, axis="ep"))
         bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)
@@ -441,7 +452,7 @@ def main(argv=None) -> int:
       records += run(Shape(tokens=t), quick=True, impls=impls)
   else:
     t = args.tokens or (1024 if args.quick else 4096)
-    impls = None if not args.quick else ["jax_ep", "reference", "jax_all_to_all"]
+    impls = None if not args.quick else ["jax_ep", "jax_ep_sm", "reference", "jax_all_to_all"]
     if args.impls:
       impls = args.impls.split(",")
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)

@@ -361,6 +361,7 @@ void CommResources::Close() {
     if (d.status_host != nullptr) WarnCuda(cudaFreeHost(d.status_host), "cudaFreeHost");
     if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
     if (d.gin_dev != nullptr) WarnCuda(cudaFree(d.gin_dev), "cudaFree(GIN state)");
+    DestroyCeLane(d.ce);
     d.gin_dev = nullptr;
     d.window_ptr = nullptr;
     d.status_host = nullptr;
@@ -520,6 +521,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
       UploadGinComm(d);
     }
     FetchPeerPointers(d);
+    CheckCuda(CreateCeLane(d.ce), "creating the copy-engine stream", d.device_ordinal);
   }
   for (auto& d : res->devices) {
     CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/ce_push.h"
 #include "kernels/common.cuh"
 
 namespace jax_ep {
@@ -100,9 +101,16 @@ struct DeviceResources {
   uint32_t* status_dev = nullptr;   // the same word as the device sees it
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
+  CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
 
   EpPeers peers() const;
 };
+
+// The device's copy-engine lane when its normal ops move remote rows by copy
+// engine (UseCopyEngine), else null.
+inline CeLane* CeLaneFor(DeviceResources& d) {
+  return UseCopyEngine(d.nranks, d.gin_mask) ? &d.ce : nullptr;
+}
 
 class CommResources {
  public:

@@ -42,7 +42,7 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   """
   r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
   e_l = e // r
-  op_area = 4096 + 4 * 8 * 4096  # header + chunk counters (kOpAreaOffset)
+  op_area = 4096 + 4 * 8 * 4096 + 4096  # header + chunk counters + CE flags (kOpAreaOffset)
   # dispatch
   ok = op_area
   counts = _align16(ok + 8 * r)
@@ -54,11 +54,11 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   scales_off = _align16(payload)
   meta_off = _align16(scales_off + 4 * (h // 128)) if fp8 else scales_off
   row = _align16(meta_off + 4 * (3 * k + 1))
-  dispatch_end = recv + r * t * row
+  dispatch_end = recv + 2 * r * t * row  # recv + copy-engine staging
   # combine (both layouts)
   crow = _align16(h * y_bytes) + 16
   crecv = _align16(op_area + 16 * r)
-  combine_end = crecv + max(t * k, r * t) * crow
+  combine_end = crecv + (max(t * k, r * t) + r * t) * crow  # recv + staging
   return max(dispatch_end, combine_end)
 
 

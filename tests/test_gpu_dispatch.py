@@ -28,7 +28,7 @@ if _native.cuda_available():
   import gpu_helpers as h
 
 
-COMM_BYTES = 1 << 30  # the Normal shape's expert-layout combine needs ~470 MB
+COMM_BYTES = 1 << 30  # the Normal shape's expert-layout combine needs ~590 MB
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,31 @@ def test_dispatch_and_combine_bitwise_equal_reference(comm, layout, T, H, K, E, 
   _assert_same(oc.recv_topk_weights, orf.recv_topk_weights, "recv_topk_weights")
   _assert_same(oc.counts, orf.counts, "counts")
   _assert_same(oc.handle, orf.handle, "handle")
+  _assert_same(cc, cr, "combine")
+
+
+# The remote-row paths (ffi/kernels/ce_push.h): SM stores into the peers'
+# windows, and the copy engine in one copy per slot or in the most chunks
+# (the default, 8 copies, runs in every other test at R = 2). The variables
+# are read at each launch.
+@pytest.mark.parametrize("remote,copies", [("sm", None), ("ce", "1"), ("ce", "64")])
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("T,H,K,E,dtype,mode", [
+    (4096, 7168, 8, 256, "bfloat16", "random"),
+    (127, 2048, 6, 64, "fp8_pair", "random"),
+    (4096, 2048, 1, 8, "float32", "skewed"),
+    (127, 2048, 8, 64, "bfloat16", "empty_rank"),
+])
+def test_remote_paths_bitwise_equal_reference(comm, monkeypatch, remote, copies, layout, T, H, K, E,
+                                              dtype, mode):
+  monkeypatch.setenv("JAX_EP_REMOTE", remote)
+  if copies:
+    monkeypatch.setenv("JAX_EP_CE_COPIES", copies)
+  rng = np.random.default_rng(hash((T, H, K, E, dtype, mode, layout, remote, copies)) % 2**32)
+  x, idx, w = _inputs(rng, comm.num_ranks, T, H, K, E, dtype, mode)
+  (oc, cc), (orf, cr) = _both(comm, E, layout, False, _rows_fn, x, idx, w)
+  _assert_same((oc.recv_x, oc.recv_topk_idx, oc.recv_topk_weights, oc.counts, oc.handle),
+               (orf.recv_x, orf.recv_topk_idx, orf.recv_topk_weights, orf.counts, orf.handle), "dispatch")
   _assert_same(cc, cr, "combine")
 
 

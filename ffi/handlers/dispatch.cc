@@ -133,7 +133,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   a.recv_counts = recv_counts->typed_data();
 
   if (std::string msg = ValidateDispatch(a, peers); !msg.empty()) return Invalid(kOp, msg);
-  if (cudaError_t err = LaunchDispatch(a, peers, stream); err != cudaSuccess) {
+  if (cudaError_t err = LaunchDispatch(a, peers, stream, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
   return ffi::Error::Success();
@@ -189,7 +189,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   a.num_sms = num_sms;
   a.out = out->untyped_data();
   if (std::string msg = ValidateCombine(a, peers); !msg.empty()) return Invalid(kOp, msg);
-  if (cudaError_t err = LaunchCombine(a, peers, stream); err != cudaSuccess) {
+  if (cudaError_t err = LaunchCombine(a, peers, stream, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }
   return ffi::Error::Success();

@@ -35,6 +35,8 @@ struct CombineCfg {
   int T, H, K, E, C;
   int expert;
   int has_w;
+  int ce_rows;      // > 0: rows go back by copy engine (rank layout; ce_push.h)
+  uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
 };
 
 struct CombineIO {
@@ -102,14 +104,12 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
   }
 }
 
-// y row `row` into slot `slot` of `dst_base`'s window, weight after it, and
-// count it on `counter` (in the same window) once it is visible.
+// y row `row` and its weight into the window row `dst_row` (a peer's slot,
+// or this rank's staging area in copy-engine mode). The caller counts it.
 __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const CombineWindow& w,
-                                               const CombineIO& io, char* dst_base, size_t slot,
-                                               int row, uint32_t* counter) {
+                                               const CombineIO& io, char* dst_row, int row) {
   const int lane = LaneId();
   const int nvec = static_cast<int>(w.payload_bytes / 16);
-  char* dst_row = dst_base + w.recv_off + slot * w.row_bytes;
   if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
   const char* yrow = static_cast<const char*>(io.y) + static_cast<size_t>(row) * w.payload_bytes;
   const uint4* src = reinterpret_cast<const uint4*>(yrow);
@@ -122,7 +122,6 @@ __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const Combin
     }
     StoreChunk(reinterpret_cast<uint4*>(dst_row), base, nvec, lane, v);
   }
-  CountRowsDone(counter, 1u);
 }
 
 // Sum the n rows listed by lanes 0..n-1 (lane i: row pointer and weight) in
@@ -198,6 +197,8 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   __shared__ int s_sent[kMaxRanks];       // rows my handle expects from rank j
   __shared__ int s_announced[kMaxRanks];  // rows rank j said it sends me
   __shared__ int s_ok;
+  __shared__ int s_sends[kMaxRanks];      // copy-engine mode: rows this rank sends to rank j
+  __shared__ uint32_t s_epoch;
   const int R = p.nranks, r = p.rank;
   const int lane = LaneId();
   constexpr int kWarps = kThreads / 32;
@@ -217,12 +218,16 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
       acc += io.recv_counts[s];
     }
     s_prefix[R] = acc;
+    for (int j = 0; j < R; ++j) s_sends[j] = s_ok ? s_prefix[j + 1] - s_prefix[j] : 0;
+    s_epoch = static_cast<uint32_t>(*p.epoch);
   }
   __syncthreads();
   const bool ok = s_ok != 0;  // the same on every rank (start kernel)
   const int chunk = ChunkRows(c.T);  // of the source's positions (rank) / tokens (expert)
   char* const lane_base = p.base[lane < R ? lane : 0];
   char* const my = p.base[r];
+  if (c.ce_rows > 0 && blockIdx.x == 0)
+    MarkEmptyCeChunks(my, R, r, s_sends, c.ce_rows, NumChunks(c.T, c.ce_rows), c.ce_seq);
 
   if (!ok) {
     // Nobody sends: every output token gets zeros (and an error is reported).
@@ -246,10 +251,19 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
       for (int pos = sw; pos < maxn; pos += nsw) {
         for (int d = 1; d < R; ++d) {
           const int j = (r + d) % R;
-          if (pos >= s_prefix[j + 1] - s_prefix[j]) continue;
-          char* const jbase = ShflPtr(lane_base, j);
-          SendCombineRow(c, w, io, jbase, static_cast<size_t>(r) * c.T + pos, s_prefix[j] + pos,
-                         ChunkCounter(jbase, r, pos / chunk));
+          if (pos >= s_sends[j]) continue;
+          if (c.ce_rows > 0) {
+            const int ch = pos / c.ce_rows;
+            SendCombineRow(c, w, io, my + w.stage_off + (static_cast<size_t>(j) * c.T + pos) * w.row_bytes,
+                           s_prefix[j] + pos);
+            CountStaged(ChunkCounter(my, j, ch), static_cast<uint32_t>(min(c.ce_rows, s_sends[j] - ch * c.ce_rows)),
+                        CeReady(my, j, ch), 1u << j, c.ce_seq);
+          } else {
+            char* const jbase = ShflPtr(lane_base, j);
+            SendCombineRow(c, w, io, jbase + w.recv_off + (static_cast<size_t>(r) * c.T + pos) * w.row_bytes,
+                           s_prefix[j] + pos);
+            CountRowsDone(ChunkCounter(jbase, r, pos / chunk), 1u);
+          }
         }
       }
     } else {
@@ -258,8 +272,8 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
         if (s < 0) continue;
         const int t = io.src_token[row], k = io.src_k[row];
         char* const sbase = ShflPtr(lane_base, s);
-        SendCombineRow(c, w, io, sbase, static_cast<size_t>(t) * c.K + k, row,
-                       ChunkCounter(sbase, r, t / chunk));
+        SendCombineRow(c, w, io, sbase + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes, row);
+        CountRowsDone(ChunkCounter(sbase, r, t / chunk), 1u);
       }
     }
     return;
@@ -286,7 +300,8 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   bool match = true;
   for (int j = 0; j < R; ++j) match &= s_sent[j] == s_announced[j];
   if (!match) {
-    if (rw == 0) {
+    // (Copy-engine flags hold epochs, not counts: nothing to drain.)
+    if (rw == 0 && c.ce_rows == 0) {
       if (lane == 0) report_error(p, Op::kCombine, Cause::kBadIndex);
       const int nch = NumChunks(c.T, chunk);
       for (int j = 0; j < R; ++j) {
@@ -324,9 +339,13 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
       for (unsigned m = mask & ~(1u << r); m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
         const int pj = __shfl_sync(kFullMask, pos, j);
-        const int ch = pj / chunk;
-        const uint32_t expected = static_cast<uint32_t>(min(chunk, s_sent[j] - ch * chunk));
-        alive = WaitChunk(p, ChunkCounter(my, j, ch), expected, Op::kCombine, j, t0);
+        if (c.ce_rows > 0) {
+          alive = WaitChunk(p, CeArrived(my, j, pj / c.ce_rows), s_epoch, Op::kCombine, j, t0);
+        } else {
+          const int ch = pj / chunk;
+          const uint32_t expected = static_cast<uint32_t>(min(chunk, s_sent[j] - ch * chunk));
+          alive = WaitChunk(p, ChunkCounter(my, j, ch), expected, Op::kCombine, j, t0);
+        }
       }
       const char* row = nullptr;
       float wt = 1.f;
@@ -423,7 +442,7 @@ std::string ValidateCombine(const CombineArgs& a, const EpPeers& p) {
   return "";
 }
 
-cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream) {
+cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream, CeLane* ce) {
   const int R = p.nranks;
   CombineCfg c{};
   c.T = a.num_tokens;
@@ -434,10 +453,27 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   c.expert = a.layout == EpLayout::kExpert;
   c.has_w = a.weights != nullptr;
   const CombineWindow w(R, c.T, c.H, c.K, EpDtypeBytes(a.y_dtype), c.expert);
+  // Expert layout: a source's slots [t][k] interleave the ranks, so no
+  // rank's rows form one block to copy; those stay on SM stores.
+  if (c.expert) ce = nullptr;
+  if (ce != nullptr) {
+    c.ce_rows = CeChunkRows(c.T, CeCopies());
+    c.ce_seq = ++ce->seq;
+  }
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
   CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
+  if (ce != nullptr) {
+    CeCopy cc;
+    cc.stage_off = w.stage_off;
+    cc.recv_off = w.recv_off;
+    cc.row_bytes = w.row_bytes;
+    cc.T = c.T;
+    cc.chunk_rows = c.ce_rows;
+    cc.seq = c.ce_seq;
+    if (cudaError_t err = EnqueueCeFork(*ce, p, cc, stream); err != cudaSuccess) return err;
+  }
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, c.T, kThreads / 32, R, 0.5, &send_blocks, &recv_blocks);
@@ -448,7 +484,8 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
     case EpDtype::kF16: LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
     default: LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
   }
-  return cudaGetLastError();
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return ce != nullptr ? EnqueueCeJoin(*ce, stream) : cudaSuccess;
 }
 
 }  // namespace jax_ep

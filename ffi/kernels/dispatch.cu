@@ -54,6 +54,8 @@ struct DispatchCfg {
   int in_bytes;     // bytes per element of x
   int has_scales;   // payload is FP8 (input FP8 or cast)
   int ue8m0;
+  int ce_rows;      // > 0: remote rows go by copy engine in chunks of this many (ce_push.h)
+  uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
 };
 
 struct PushIO {
@@ -392,13 +394,15 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 // whole grid zeroes the outputs at the end.
 
 // Token t to the ranks in `dest` (lane j < R holds its row position in rank
-// j as `pos`, and lane_base = that rank's window), payload cast to FP8 on
-// the way if kCast. Returns with the stores possibly still in flight.
+// j as `pos`, and lane_rows = where row 0 of this rank's slot for rank j
+// is: rank j's window, or the staging area in copy-engine mode), payload
+// cast to FP8 on the way if kCast. Returns with the stores possibly still
+// in flight.
 template <typename TIn, bool kCast>
 __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWindow& w,
                                           const EpPeers& p, const PushIO& io, const int* scratch,
                                           const int* rie, int t, int pos, unsigned dest,
-                                          char* lane_base, int local_prefix) {
+                                          char* lane_rows, int local_prefix) {
   const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
@@ -413,7 +417,7 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
   }
   const int drank = (id >= 0 && id < c.E) ? id / El : -1;
   // Lane j < R: this token's row in rank j's window.
-  char* const lane_row = ((remote_mask >> lane) & 1u) ? lane_base + w.row(r, pos, c.T) : nullptr;
+  char* const lane_row = ((remote_mask >> lane) & 1u) ? lane_rows + static_cast<size_t>(pos) * w.row_bytes : nullptr;
   int local_row = -1;  // expert layout: output row of (t, lane) if its expert is here
   if (to_me && c.expert && drank == r) local_row = scratch[sc.src_off + (id - r * El) * R + r] + rv;
   const unsigned local_mask = __ballot_sync(kFullMask, local_row >= 0);
@@ -643,12 +647,19 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
                                                                    EpPeers p, PushIO io,
                                                                    int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
+  __shared__ int s_sends[kMaxRanks];  // rows this rank sends to rank j
+  __shared__ uint32_t s_epoch;
   const int R = p.nranks, r = p.rank;
   const DispatchScratch sc(R, c.E);
   const int* scratch = ScratchOf(p, w);
-  if (threadIdx.x <= R) s_prefix[threadIdx.x] = scratch[sc.prefix + threadIdx.x];
-  __syncthreads();
   const bool send_ok = scratch[DispatchScratch::kSendOk] != 0;  // grid-uniform
+  if (threadIdx.x <= R) s_prefix[threadIdx.x] = scratch[sc.prefix + threadIdx.x];
+  if (threadIdx.x < R) s_sends[threadIdx.x] = send_ok ? scratch[sc.tokens_per_rank + threadIdx.x] : 0;
+  if (threadIdx.x == 0) s_epoch = static_cast<uint32_t>(*p.epoch);
+  __syncthreads();
+  char* const my = p.base[r];
+  if (c.ce_rows > 0 && blockIdx.x == 0)
+    MarkEmptyCeChunks(my, R, r, s_sends, c.ce_rows, NumChunks(c.T, c.ce_rows), c.ce_seq);
   const bool ok = scratch[DispatchScratch::kOk] != 0;           // grid-uniform
   const int lane = LaneId();
   constexpr int kWarps = kThreads / 32;
@@ -675,14 +686,26 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     // Indexing the by-value EpPeers with a runtime rank goes through local
     // memory; do it once per thread, then move pointers between lanes.
     char* const lane_base = p.base[lane < R ? lane : 0];
+    const int jl = lane < R ? lane : 0;
+    char* const lane_rows = c.ce_rows > 0 ? my + w.stage_off + static_cast<size_t>(jl) * c.T * w.row_bytes
+                                          : lane_base + w.row(r, 0, c.T);
+    const int lane_sends = s_sends[jl];
     for (int t = gwarp; t < c.T; t += send_blocks * kWarps) {
       const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
       unsigned dest = __ballot_sync(kFullMask, pos >= 0);
       if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
       if (dest == 0) continue;
-      SendToken<TIn, kCast>(c, w, p, io, scratch, rie, t, pos, dest, lane_base, s_prefix[r]);
+      SendToken<TIn, kCast>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r]);
       const unsigned remote = dest & ~(1u << r);
-      if (remote) CountRowsDone(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
+      if (remote == 0) continue;
+      if (c.ce_rows > 0) {
+        const int ch = pos >= 0 ? pos / c.ce_rows : 0;
+        CountStaged(pos >= 0 ? ChunkCounter(my, jl, ch) : nullptr,
+                    static_cast<uint32_t>(min(c.ce_rows, lane_sends - ch * c.ce_rows)),
+                    pos >= 0 ? CeReady(my, jl, ch) : nullptr, remote, c.ce_seq);
+      } else {
+        CountRowsDone(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
+      }
     }
   } else if (send_ok) {
     const int rwarp = gwarp - send_blocks * kWarps;
@@ -696,9 +719,13 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         const int s = (r - d + R) % R;  // the source that sends to us first, first
         const int n = s_prefix[s + 1] - s_prefix[s];
         if (pos >= n) continue;
-        const int ch = pos / chunk;
-        const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
-        alive = WaitChunk(p, ChunkCounter(p.base[r], s, ch), expected, Op::kDispatch, s, t0);
+        if (c.ce_rows > 0) {
+          alive = WaitChunk(p, CeArrived(my, s, pos / c.ce_rows), s_epoch, Op::kDispatch, s, t0);
+        } else {
+          const int ch = pos / chunk;
+          const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
+          alive = WaitChunk(p, ChunkCounter(my, s, ch), expected, Op::kDispatch, s, t0);
+        }
         if (alive && ok) RecvRow(c, w, p, io, scratch, s_prefix, s, pos);
       }
     }
@@ -788,7 +815,7 @@ std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p) {
   return "";
 }
 
-cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream) {
+cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream, CeLane* ce) {
   const int R = p.nranks;
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
   const bool fp8 = a.cast_fp8 || fp8_in;
@@ -805,6 +832,10 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   c.has_scales = fp8;
   c.ue8m0 = a.ue8m0;
   const DispatchWindow w(R, c.T, c.H, c.K, c.E, fp8 ? 1 : c.in_bytes, fp8);
+  if (ce != nullptr) {
+    c.ce_rows = CeChunkRows(c.T, CeCopies());
+    c.ce_seq = ++ce->seq;
+  }
   PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};
@@ -812,6 +843,16 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   DispatchPrepKernel<<<R + (c.expert ? c.E : 0), kPrepThreads, 0, stream>>>(c, w, p, a.topk_idx, a.pos_in_rank);
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
+  if (ce != nullptr) {
+    CeCopy cc;
+    cc.stage_off = w.stage_off;
+    cc.recv_off = w.recv_off;
+    cc.row_bytes = w.row_bytes;
+    cc.T = c.T;
+    cc.chunk_rows = c.ce_rows;
+    cc.seq = c.ce_seq;
+    if (cudaError_t err = EnqueueCeFork(*ce, p, cc, stream); err != cudaSuccess) return err;
+  }
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;
@@ -831,7 +872,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   } else {
     DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   }
-  return cudaGetLastError();
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return ce != nullptr ? EnqueueCeJoin(*ce, stream) : cudaSuccess;
 }
 
 }  // namespace jax_ep

@@ -1,7 +1,7 @@
 // Where normal dispatch / combine put their data inside the symmetric window.
 //
 // Every rank's window is [runtime header (kWindowHeaderBytes)] [chunk
-// counters] [op area]. The op area is shared by all ops; that is safe because
+// counters] [copy-engine flags] [op area]. The op area is shared by all ops; that is safe because
 // every dispatch / combine starts with a rank barrier before its first store
 // into a peer's window, so a peer can never still be reading the previous
 // op's data there.
@@ -14,6 +14,15 @@
 // still crossing the link. Each op zeroes its own counters before its first
 // barrier; peers only add after that barrier, and the previous op's adds had
 // all landed (its receiver waited for them) before the zeroing.
+//
+// Copy-engine flags (u32 [kMaxRanks][kMaxCeChunks] each, a fixed region too;
+// used when the remote rows travel by copy engine, ce_push.h): ready[j][c]
+// of a rank = "my rows of chunk c for rank j are staged" (value: the host's
+// op sequence number, which the copy-engine stream waits for); arrived[s][c]
+// = "source s's copy of chunk c has landed here" (value: the barrier epoch,
+// copied from the source's device counter by its copy engine after the
+// data). Both only ever hold values of past or current ops, so they are
+// never zeroed. In that mode the chunk counters count staged rows locally.
 //
 // Dispatch op area (offsets from the window base, all 16-byte aligned, from
 // kOpAreaOffset on):
@@ -29,6 +38,9 @@
 //   recv    rows[R][T]        row [s][p] = the p-th token of source s that
 //                             comes here; a source writes its own rows at
 //                             known offsets, so it needs nothing from us.
+//   stage   rows[R][T]        copy-engine mode: row [j][p] = my p-th token
+//                             for rank j, staged here for the copy engine,
+//                             which moves [j][0, T) to rank j's recv[me].
 // A dispatch row: payload (H * elem bytes, padded to 16), FP8 scales
 // (H/128 f32, padded to 16, only for FP8 payloads), then meta: ids[K] (local
 // expert id or -1, already converted by the sender for this destination),
@@ -39,15 +51,18 @@
 //   sent    u64[R]            per source: tagged number of rows it sends here
 //   recv    rows[R][T] (rank layout, slot [j][pos_in_rank[t, j]]) or
 //           rows[T][K] (expert layout, slot [t][k])
+//   stage   rows[R][T]        copy-engine mode (rank layout): row [s][p] = my
+//                             row for source s's slot [me][p]
 // A combine row: payload (H * y elem bytes, padded to 16), weight f32 padded
 // to 16.
 //
 // Bytes the window needs (see WindowBytesNeeded; mirrored in Python by
 // jax_ep._ffi_dispatch.window_bytes_needed):
-//   header 4096 + counters 128 KiB + max(dispatch_op_bytes, combine_op_bytes)
+//   header 4096 + counters 128 KiB + CE flags 4 KiB
+//     + max(dispatch_op_bytes, combine_op_bytes)
 // with, for the normal shape (R=2, T=4096, H=7168, K=8, E=256, bf16):
-//   dispatch = 2*4096*(14336 + 112) + small ≈ 118.5 MB,
-//   combine expert layout = 4096*8*(14336 + 16) ≈ 470 MB (rank layout 118 MB).
+//   dispatch = 2 * 2*4096*(14336 + 112) + small ≈ 237 MB,
+//   combine expert layout = (4096*8 + 2*4096)*(14336 + 16) ≈ 588 MB.
 #pragma once
 
 #include <cstddef>
@@ -63,8 +78,12 @@ JAX_EP_HD size_t Align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15);
 
 constexpr int kChunksPerSource = 4096;
 constexpr size_t kChunkCountersOffset = kWindowHeaderBytes;
-constexpr size_t kOpAreaOffset =
+constexpr int kMaxCeChunks = 64;
+constexpr size_t kCeReadyOffset =
     kChunkCountersOffset + 4 * static_cast<size_t>(kMaxRanks) * kChunksPerSource;
+constexpr size_t kCeArrivedOffset = kCeReadyOffset + 4 * static_cast<size_t>(kMaxRanks) * kMaxCeChunks;
+constexpr size_t kOpAreaOffset = kCeReadyOffset + 4096;
+static_assert(8 * static_cast<size_t>(kMaxRanks) * kMaxCeChunks <= 4096, "CE flags fit their region");
 
 // Rows per chunk when a source sends at most `max_rows` rows to one rank:
 // 32 rows (~450 KB of BF16 H=7168 rows) keeps the receiver a few µs behind the
@@ -75,6 +94,16 @@ JAX_EP_HD int ChunkRows(long long max_rows) {
 }
 JAX_EP_HD int NumChunks(long long rows, int chunk_rows) {
   return static_cast<int>((rows + chunk_rows - 1) / chunk_rows);
+}
+// Copy-engine chunk: rows per copy when a source's T-row slot is moved in
+// `copies` copies; whole chunk-counter chunks, at most kMaxCeChunks of them.
+JAX_EP_HD int CeChunkRows(long long T, int copies) {
+  const int base = ChunkRows(T);
+  long long rows = (T + copies - 1) / (copies > 0 ? copies : 1);
+  const long long min_rows = (T + kMaxCeChunks - 1) / kMaxCeChunks;
+  if (rows < min_rows) rows = min_rows;
+  rows = (rows + base - 1) / base * base;
+  return static_cast<int>(rows > base ? rows : base);
 }
 
 // Layout of the i32 scratch a rank keeps for itself during a dispatch.
@@ -110,7 +139,7 @@ struct DispatchScratch {
 };
 
 struct DispatchWindow {
-  size_t ok_off, counts_off, scratch_off, rie_off, recv_off;
+  size_t ok_off, counts_off, scratch_off, rie_off, recv_off, stage_off;
   size_t payload_bytes;  // H * elem
   size_t scales_off;     // inside a row (FP8 only; == meta_off otherwise)
   size_t meta_off;       // inside a row
@@ -130,7 +159,8 @@ struct DispatchWindow {
     scales_off = Align16(payload_bytes);
     meta_off = fp8_scales ? Align16(scales_off + 4 * static_cast<size_t>(H / 128)) : scales_off;
     row_bytes = Align16(meta_off + 4 * (3 * static_cast<size_t>(K) + 1));
-    end = recv_off + static_cast<size_t>(R) * T * row_bytes;
+    stage_off = recv_off + static_cast<size_t>(R) * T * row_bytes;
+    end = stage_off + static_cast<size_t>(R) * T * row_bytes;
   }
   JAX_EP_HD size_t row(int src, int slot, int T) const {
     return recv_off + (static_cast<size_t>(src) * T + slot) * row_bytes;
@@ -138,7 +168,7 @@ struct DispatchWindow {
 };
 
 struct CombineWindow {
-  size_t ok_off, sent_off, recv_off;
+  size_t ok_off, sent_off, recv_off, stage_off;
   size_t payload_bytes, weight_off, row_bytes, end;
 
   JAX_EP_HD CombineWindow(int R, int T, int H, int K, int elem_bytes, bool expert_layout) {
@@ -149,9 +179,18 @@ struct CombineWindow {
     weight_off = Align16(payload_bytes);
     row_bytes = weight_off + 16;
     const size_t slots = expert_layout ? static_cast<size_t>(T) * K : static_cast<size_t>(R) * T;
-    end = recv_off + slots * row_bytes;
+    stage_off = recv_off + slots * row_bytes;
+    end = stage_off + static_cast<size_t>(R) * T * row_bytes;
   }
 };
+
+// The copy-engine flags of `base`'s window.
+JAX_EP_HD uint32_t* CeReady(char* base, int dest, int chunk) {
+  return reinterpret_cast<uint32_t*>(base + kCeReadyOffset) + dest * kMaxCeChunks + chunk;
+}
+JAX_EP_HD uint32_t* CeArrived(char* base, int src, int chunk) {
+  return reinterpret_cast<uint32_t*>(base + kCeArrivedOffset) + src * kMaxCeChunks + chunk;
+}
 
 // Window bytes for dispatch (both layouts, payload of `x_elem_bytes`, FP8
 // scales if `fp8`; an FP8 payload is 1 byte per channel) and combine (both layouts, `y_elem_bytes`) of one config.

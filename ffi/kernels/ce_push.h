@@ -1,0 +1,71 @@
+// Remote rows by copy engine (LSA peers): the data kernels stage each
+// destination's rows in this rank's own window (HBM stores, no NVLink), and a
+// second stream moves every staged chunk to the destination's window with
+// cudaMemcpyAsync, then copies the barrier epoch into the destination's
+// arrived flag. The receiving CTAs wait on that flag instead of the chunk
+// counters.
+//
+// Why: on H200 the SM's 16-byte NVLink stores stream at ~0.55-0.67 x of
+// what the copy engine moves (benchmarks/RESULTS.md), however many CTAs push.
+//
+// Why a fixed-size copy: cudaMemcpyAsync takes its size from the host, and
+// the host never sees the routing. Each destination's whole T-row slot is
+// copied, in `copies` chunks; the bytes past its real rows are never read.
+// That costs nothing at R = 2 with top-k >= 4 (almost every token goes to
+// both ranks) and up to (R-1)x the needed bytes when routing is skewed, so
+// the mode is chosen by UseCopyEngine (env JAX_EP_REMOTE).
+//
+// Order of one op, s = XLA's stream, q = this device's copy-engine stream:
+//   s: prep/control (barriers passed) -> record fork -> data kernel -> wait join
+//   q: wait fork; per chunk c, per peer j: wait ready[j][c] == seq (set by the
+//      data kernel once chunk c's rows are staged), copy the rows to j's
+//      recv[me], copy the epoch word to j's arrived[me][c]; record join.
+// The fork is recorded before the data kernel: were q to wait for the data
+// kernel, whose receivers wait for the peer's copies, two ranks would wait
+// on each other. The join keeps the next op (which reuses the window) behind
+// the copies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+
+namespace jax_ep {
+
+// One per local device (DeviceResources), made by CreateComm.
+struct CeLane {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  uint32_t seq = 0;  // ops so far; the value of this op's ready flags
+};
+
+cudaError_t CreateCeLane(CeLane& lane);
+void DestroyCeLane(CeLane& lane);
+
+// What moves in one op: [stage_off + (j*T + row) * row_bytes] of this rank's
+// window to [recv_off + (me*T + row) * row_bytes] of rank j's, rows [0, T).
+struct CeCopy {
+  size_t stage_off = 0;
+  size_t recv_off = 0;
+  size_t row_bytes = 0;
+  int T = 0;
+  int chunk_rows = 0;  // CeChunkRows(T, copies)
+  uint32_t seq = 0;    // lane.seq after NextCeSeq
+};
+
+// True when this op's remote rows go by copy engine: every peer is LSA and
+// R >= 2, and JAX_EP_REMOTE is "ce", or unset / "auto" with R == 2 (where the
+// fixed-size copy wastes nothing). Must give the same answer on every rank.
+bool UseCopyEngine(int num_ranks, uint32_t gin_mask);
+// Copies per destination slot (env JAX_EP_CE_COPIES, default 8).
+int CeCopies();
+
+// Enqueues q's side of the op (see above) after the work already on `s`.
+cudaError_t EnqueueCeFork(CeLane& lane, const EpPeers& p, const CeCopy& c, cudaStream_t s);
+// Makes `s` wait for the copies.
+cudaError_t EnqueueCeJoin(CeLane& lane, cudaStream_t s);
+
+}  // namespace jax_ep

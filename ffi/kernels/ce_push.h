@@ -20,10 +20,18 @@
 //   q: wait fork; per chunk c, per peer j: wait ready[j][c] == seq (set by the
 //      data kernel once chunk c's rows are staged), copy the rows to j's
 //      recv[me], copy the epoch word to j's arrived[me][c]; record join.
-// The fork is recorded before the data kernel: were q to wait for the data
-// kernel, whose receivers wait for the peer's copies, two ranks would wait
-// on each other. The join keeps the next op (which reuses the window) behind
-// the copies.
+// Three orderings matter:
+//  - The fork is recorded before the data kernel: were q to wait for the
+//    data kernel, whose receivers wait for the peer's copies, two ranks
+//    would wait on each other.
+//  - q's work is enqueued *after* the data kernel's launch: streams can
+//    share a hardware queue (CUDA_DEVICE_MAX_CONNECTIONS), and a wait on a
+//    ready flag queued ahead of the kernel that raises it never ends.
+//  - The last CTA of the data kernel raises every ready flag on its way out
+//    (CeReleaseOnExit): should a flag stay down (a bug), q still finishes
+//    once the data kernel has (the peer's receivers time out and report), so
+//    the op ends with an error instead of a hang.
+// The join keeps the next op (which reuses the window) behind the copies.
 #pragma once
 
 #include <cstddef>
@@ -63,9 +71,24 @@ bool UseCopyEngine(int num_ranks, uint32_t gin_mask);
 // Copies per destination slot (env JAX_EP_CE_COPIES, default 8).
 int CeCopies();
 
-// Enqueues q's side of the op (see above) after the work already on `s`.
-cudaError_t EnqueueCeFork(CeLane& lane, const EpPeers& p, const CeCopy& c, cudaStream_t s);
-// Makes `s` wait for the copies.
-cudaError_t EnqueueCeJoin(CeLane& lane, cudaStream_t s);
+// Records the fork on `s` (call before launching the data kernel).
+cudaError_t CeFork(CeLane& lane, cudaStream_t s);
+// After the data kernel's launch: q's side of the op (see above), and `s`
+// waiting for q.
+cudaError_t EnqueueCeCopies(CeLane& lane, const EpPeers& p, const CeCopy& c, cudaStream_t s);
+
+// The copy of an op whose window (DispatchWindow / CombineWindow) stages
+// rows at stage_off and receives them at recv_off.
+template <typename Window>
+CeCopy CeCopyOf(const Window& w, int T, int chunk_rows, uint32_t seq) {
+  CeCopy c;
+  c.stage_off = w.stage_off;
+  c.recv_off = w.recv_off;
+  c.row_bytes = w.row_bytes;
+  c.T = T;
+  c.chunk_rows = chunk_rows;
+  c.seq = seq;
+  return c;
+}
 
 }  // namespace jax_ep

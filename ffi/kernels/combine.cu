@@ -190,9 +190,8 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
 //    __fmul_rn / __fadd_rn, exactly jax_ep.reference.combine. In rank
 //    layout a token's own-rank row is read straight from y.
 template <typename TY, bool kHasW>
-__global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, CombineWindow w,
-                                                                  EpPeers p, CombineIO io,
-                                                                  int send_blocks) {
+__device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWindow& w, const EpPeers& p,
+                                            const CombineIO& io, int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
   __shared__ int s_sent[kMaxRanks];       // rows my handle expects from rank j
   __shared__ int s_announced[kMaxRanks];  // rows rank j said it sends me
@@ -411,6 +410,14 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   }
 }
 
+template <typename TY, bool kHasW>
+__global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, CombineWindow w,
+                                                                  EpPeers p, CombineIO io,
+                                                                  int send_blocks) {
+  CombineData<TY, kHasW>(c, w, p, io, send_blocks);
+  if (c.ce_rows > 0) CeReleaseOnExit(p, NumChunks(c.T, c.ce_rows), c.ce_seq);
+}
+
 template <typename TY>
 void LaunchData(int grid, int send_blocks, cudaStream_t stream, const CombineCfg& c,
                 const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
@@ -465,14 +472,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
 
   CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
   if (ce != nullptr) {
-    CeCopy cc;
-    cc.stage_off = w.stage_off;
-    cc.recv_off = w.recv_off;
-    cc.row_bytes = w.row_bytes;
-    cc.T = c.T;
-    cc.chunk_rows = c.ce_rows;
-    cc.seq = c.ce_seq;
-    if (cudaError_t err = EnqueueCeFork(*ce, p, cc, stream); err != cudaSuccess) return err;
+    if (cudaError_t err = CeFork(*ce, stream); err != cudaSuccess) return err;
   }
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
@@ -484,8 +484,8 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
     case EpDtype::kF16: LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
     default: LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  return ce != nullptr ? EnqueueCeJoin(*ce, stream) : cudaSuccess;
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || ce == nullptr) return err;
+  return EnqueueCeCopies(*ce, p, CeCopyOf(w, c.T, c.ce_rows, c.ce_seq), stream);
 }
 
 }  // namespace jax_ep

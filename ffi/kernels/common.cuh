@@ -37,7 +37,7 @@ struct EpPeers {
   size_t window_bytes;
   uint32_t* status;               // mapped pinned host word (device pointer)
   unsigned long long* epoch;      // device-local barrier epoch counter
-  unsigned long long* grid_sync;  // device-local counter for grid barriers
+  unsigned long long* grid_sync;  // device-local, 0 between kernels (CeReleaseOnExit)
   unsigned long long timeout_ns;  // give up waiting on a peer after this
   uint32_t gin_mask;              // bit j: rank j is reached by GIN, base[j] is null
   const void* gin;                // GIN state (gin.cuh's GinComm), null without GIN

@@ -734,6 +734,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   if (!ok) {
     for (int row = gwarp; row < c.C; row += gwarps) out.Zero(row);
   }
+  if (c.ce_rows > 0) CeReleaseOnExit(p, NumChunks(c.T, c.ce_rows), c.ce_seq);
 }
 
 }  // namespace
@@ -844,14 +845,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
   if (ce != nullptr) {
-    CeCopy cc;
-    cc.stage_off = w.stage_off;
-    cc.recv_off = w.recv_off;
-    cc.row_bytes = w.row_bytes;
-    cc.T = c.T;
-    cc.chunk_rows = c.ce_rows;
-    cc.seq = c.ce_seq;
-    if (cudaError_t err = EnqueueCeFork(*ce, p, cc, stream); err != cudaSuccess) return err;
+    if (cudaError_t err = CeFork(*ce, stream); err != cudaSuccess) return err;
   }
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
@@ -872,8 +866,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   } else {
     DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  return ce != nullptr ? EnqueueCeJoin(*ce, stream) : cudaSuccess;
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || ce == nullptr) return err;
+  return EnqueueCeCopies(*ce, p, CeCopyOf(w, c.T, c.ce_rows, c.ce_seq), stream);
 }
 
 }  // namespace jax_ep

@@ -167,6 +167,29 @@ __device__ inline void MarkEmptyCeChunks(char* mine, int R, int me, const int* r
   }
 }
 
+// Copy-engine mode: every CTA of a data kernel calls this last (all its
+// threads); the last one to get here raises all of this op's ready flags,
+// so a flag that stayed down cannot hold the copy-engine stream forever
+// (ce_push.h). Raising a flag that is up already changes nothing.
+// p.grid_sync counts the CTAs that got here; the last one resets it.
+__device__ inline void CeReleaseOnExit(const EpPeers& p, int chunks, uint32_t seq) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(p.grid_sync, 1ull) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  if (threadIdx.x == 0) *p.grid_sync = 0;
+  char* const mine = p.base[p.rank];
+  for (int i = threadIdx.x; i < p.nranks * chunks; i += blockDim.x) {
+    const int j = i / chunks, ch = i % chunks;
+    if (j != p.rank)
+      asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(CeReady(mine, j, ch)), "r"(seq) : "memory");
+  }
+}
+
 // Warp-wide wait until `counter` reaches `expected` (acquire; the warp may
 // then load the chunk's rows). False after reporting a timeout. The status
 // word is not looked at: a wait only happens once every rank has agreed to

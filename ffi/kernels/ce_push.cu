@@ -67,11 +67,12 @@ bool UseCopyEngine(int num_ranks, uint32_t gin_mask) {
 
 int CeCopies() { return EnvCopies(); }
 
-cudaError_t EnqueueCeFork(CeLane& lane, const EpPeers& p, const CeCopy& c, cudaStream_t s) {
+cudaError_t CeFork(CeLane& lane, cudaStream_t s) { return cudaEventRecord(lane.fork, s); }
+
+cudaError_t EnqueueCeCopies(CeLane& lane, const EpPeers& p, const CeCopy& c, cudaStream_t s) {
   const WaitValue32Fn wait = WaitValue32();
   if (wait == nullptr) return cudaErrorNotSupported;
-  cudaError_t err = cudaEventRecord(lane.fork, s);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream, lane.fork, 0);
+  cudaError_t err = cudaStreamWaitEvent(lane.stream, lane.fork, 0);
   const int R = p.nranks, me = p.rank;
   char* const mine = p.base[me];
   // The epoch is a little-endian u64: its first 4 bytes are the low word.
@@ -97,9 +98,8 @@ cudaError_t EnqueueCeFork(CeLane& lane, const EpPeers& p, const CeCopy& c, cudaS
     }
   }
   if (err == cudaSuccess) err = cudaEventRecord(lane.join, lane.stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(s, lane.join, 0);
   return err;
 }
-
-cudaError_t EnqueueCeJoin(CeLane& lane, cudaStream_t s) { return cudaStreamWaitEvent(s, lane.join, 0); }
 
 }  // namespace jax_ep

@@ -48,11 +48,21 @@ def _events(trace_dir: str) -> list[dict]:
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   out = []
   for e in evs:
-    if e.get("ph") != "X" or "Kernel" not in e.get("name", ""):
+    if e.get("ph") != "X":
       continue
-    if not re.search(r"(Dispatch|Combine)\w*Kernel", e["name"]):
+    name = e.get("name", "")
+    if "emcpy" in name:  # the copy-engine path's copies (ffi/kernels/ce_push.h)
+      if "GPU" not in pname.get(e["pid"], ""):
+        continue  # the host-side cudaMemcpyAsync API events
+      m = re.search(r"size[^0-9]*([0-9]+)", json.dumps(e.get("args", {})))
+      mb = int(m.group(1)) / 1e6 if m else float("nan")
+      label = "Memcpy(rows)" if mb != mb or mb > 0.01 else "Memcpy(flag)"
+      out.append(dict(dev=pname.get(e["pid"], str(e["pid"])), name=label, ts=float(e["ts"]),
+                      dur=float(e["dur"]), mb=mb))
       continue
-    out.append(dict(dev=pname.get(e["pid"], str(e["pid"])), name=_short(e["name"]),
+    if "Kernel" not in name or not re.search(r"(Dispatch|Combine)\w*Kernel", name):
+      continue
+    out.append(dict(dev=pname.get(e["pid"], str(e["pid"])), name=_short(name),
                     ts=float(e["ts"]), dur=float(e["dur"])))
   return out
 
@@ -63,7 +73,7 @@ def summarize(evs: list[dict], op: str) -> list[dict]:
   rows = []
   by_dev = collections.defaultdict(list)
   for e in evs:
-    if e["name"].startswith(prefix):
+    if e["name"].startswith(prefix) or e["name"].startswith("Memcpy"):
       by_dev[e["dev"]].append(e)
   for dev, es in sorted(by_dev.items()):
     es.sort(key=lambda e: e["ts"])
@@ -82,13 +92,24 @@ def summarize(evs: list[dict], op: str) -> list[dict]:
     starts = [c[0]["ts"] for c in calls]
     periods = [b - a for a, b in zip(starts, starts[1:])] or [float("nan")]
     per = collections.defaultdict(lambda: ([], []))
+    # The copies of a call: how many, their total time, when the last ends.
+    copies = [[e for e in c if e["name"] == "Memcpy(rows)"] for c in calls]
+    ce = dict(n=statistics.median([len(k) for k in copies]) if copies else 0)
+    if any(copies):
+      ce.update(busy_us=statistics.median([sum(e["dur"] for e in k) for k in copies if k]),
+                last_end_us=statistics.median([max(e["ts"] + e["dur"] for e in k) - c[0]["ts"]
+                                               for k, c in zip(copies, calls) if k]),
+                gbps=statistics.median([sum(e["mb"] for e in k) * 1e3 / sum(e["dur"] for e in k)
+                                        for k in copies if k]))
+    timeline = [(e["name"], round(e["ts"] - calls[len(calls) // 2][0]["ts"], 1), round(e["dur"], 1))
+                for e in calls[len(calls) // 2]]
     for c in calls:
       t0 = c[0]["ts"]
       for e in c:
         per[e["name"]][0].append(e["dur"])
         per[e["name"]][1].append(e["ts"] - t0)
     rows.append(dict(op=op, device=dev, calls=len(calls), span_us=statistics.median(spans),
-                     period_us=statistics.median(periods),
+                     period_us=statistics.median(periods), copies=ce, timeline=timeline,
                      kernels={k: dict(dur_us=statistics.median(d), start_us=statistics.median(s))
                               for k, (d, s) in per.items()}))
   return rows
@@ -136,6 +157,9 @@ def main(argv=None) -> int:
           f"start-to-start {r['period_us']:.1f} us (wall {r['wall_us_per_call']:.1f} us/call)")
     for k, v in sorted(r["kernels"].items(), key=lambda kv: kv[1]["start_us"]):
       print(f"   {k:32s} start {v['start_us']:8.1f}  dur {v['dur_us']:8.1f}")
+    if r["copies"].get("n"):
+      print(f"   copies: {r['copies']}")
+      print(f"   one call: {r['timeline']}")
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_normal.json"), "w") as f:

@@ -3,10 +3,9 @@
 4096 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
 BF16 and FP8 dispatch, BF16 combine, rank layout (DeepEP "normal"). Measured in
 the same process run:
-  jax_ep                  the CUDA kernels (backend="cuda"), remote rows by copy engine
-                          at R = 2 (ffi/kernels/ce_push.h)
-  jax_ep_sm               the same kernels with JAX_EP_REMOTE=sm: remote rows by SM
-                          NVLink stores
+  jax_ep                  the CUDA kernels (backend="cuda"), remote rows by SM NVLink stores
+  jax_ep_ce               the same kernels with JAX_EP_REMOTE=ce: remote rows staged, then
+                          moved by the copy engine (ffi/kernels/ce_push.h)
   reference               jax_ep's pure-JAX backend (backend="reference")
   jax_ragged_all_to_all   sort by expert + lax.ragged_all_to_all (MaxText style)
   jax_capacity_all_to_all per-expert capacity-padded lax.all_to_all (factor 1.25)
@@ -269,7 +268,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
   sms = int(os.environ.get("JAX_EP_NUM_SMS", "0")) or 24
   results = []
-  impls = impls or ["jax_ep", "jax_ep_sm", "reference", "jax_all_to_all",
+  impls = impls or ["jax_ep", "jax_ep_ce", "reference", "jax_all_to_all",
                     "jax_capacity_all_to_all", "jax_ragged_all_to_all"]
 
   def record(bench, impl, dtype, t, row_bytes, nsms=None):
@@ -299,12 +298,12 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
     for impl in impls:
-      if impl in ("jax_ep", "jax_ep_sm", "reference"):
+      if impl in ("jax_ep", "jax_ep_ce", "reference"):
         backend = "reference" if impl == "reference" else "cuda"
         nsms = None if impl == "reference" else sms
         # Read by the kernels' launcher at every call (ce_push.h).
         remote_before = os.environ.get("JAX_EP_REMOTE")
-        if impl == "jax_ep_sm":
+        if impl == "jax_ep_ce":
           os.environ["JAX_EP_REMOTE"] = "sm"
         f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
         bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
@@ -452,7 +451,7 @@ def main(argv=None) -> int:
       records += run(Shape(tokens=t), quick=True, impls=impls)
   else:
     t = args.tokens or (1024 if args.quick else 4096)
-    impls = None if not args.quick else ["jax_ep", "jax_ep_sm", "reference", "jax_all_to_all"]
+    impls = None if not args.quick else ["jax_ep", "jax_ep_ce", "reference", "jax_all_to_all"]
     if args.impls:
       impls = args.impls.split(",")
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)

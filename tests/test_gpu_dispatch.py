@@ -140,11 +140,10 @@ def test_dispatch_and_combine_bitwise_equal_reference(comm, layout, T, H, K, E, 
   _assert_same(cc, cr, "combine")
 
 
-# The remote-row paths (ffi/kernels/ce_push.h): SM stores into the peers'
-# windows, and the copy engine in one copy per slot or in the most chunks
-# (the default, 8 copies, runs in every other test at R = 2). The variables
-# are read at each launch.
-@pytest.mark.parametrize("remote,copies", [("sm", None), ("ce", "1"), ("ce", "64")])
+# The copy-engine path for remote rows (ffi/kernels/ce_push.h; SM stores,
+# the default, run in every other test): 8 copies per slot (its default),
+# one copy, and the most chunks. The variables are read at each launch.
+@pytest.mark.parametrize("remote,copies", [("ce", None), ("ce", "1"), ("ce", "64")])
 @pytest.mark.parametrize("layout", ["rank", "expert"])
 @pytest.mark.parametrize("T,H,K,E,dtype,mode", [
     (4096, 7168, 8, 256, "bfloat16", "random"),

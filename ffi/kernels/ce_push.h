@@ -7,6 +7,11 @@
 //
 // Why: on H200 the SM's 16-byte NVLink stores stream at ~0.55-0.67 x of
 // what the copy engine moves (benchmarks/RESULTS.md), however many CTAs push.
+// Status (2026-11-30, RESULTS.md "Copy-engine path"): bitwise correct, but
+// slower than SM stores at the Normal shape (dispatch 419 vs 346 us, combine
+// 336 vs 311 us): each 7.4 MB copy runs at ~342 GB/s, yet the staged chunks
+// come ready irregularly (one slow warp holds a chunk back), each chunk adds
+// ~7 us of flag copy + wait, and calls leave idle gaps. So it is opt-in.
 //
 // Why a fixed-size copy: cudaMemcpyAsync takes its size from the host, and
 // the host never sees the routing. Each destination's whole T-row slot is
@@ -64,9 +69,9 @@ struct CeCopy {
   uint32_t seq = 0;    // lane.seq after NextCeSeq
 };
 
-// True when this op's remote rows go by copy engine: every peer is LSA and
-// R >= 2, and JAX_EP_REMOTE is "ce", or unset / "auto" with R == 2 (where the
-// fixed-size copy wastes nothing). Must give the same answer on every rank.
+// True when this op's remote rows go by copy engine: every peer is LSA,
+// R >= 2 and JAX_EP_REMOTE=ce ("auto", the default, and "sm" mean SM
+// stores). Must give the same answer on every rank.
 bool UseCopyEngine(int num_ranks, uint32_t gin_mask);
 // Copies per destination slot (env JAX_EP_CE_COPIES, default 8).
 int CeCopies();

@@ -1,6 +1,12 @@
 """Low-latency (decode) dispatch/combine: fixed [E_l, R * max_tokens, H]
 buffers, fused or split into *_start / *_done so XLA can place compute
-between the send and the receive. Split and fused give identical results."""
+between the send and the receive. Split and fused give identical results.
+
+Backends: the reference by default (None / "auto" / "reference");
+backend="cuda" runs them over the normal CUDA kernels (_low_latency_normal:
+bitwise the reference, not yet DeepEP-class latency). That path does all its
+work in *_start, so it leaves XLA nothing to overlap.
+"""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -11,6 +17,7 @@ from jax_ep import reference as ref
 from jax_ep._checks import check_positive, check_routing, check_x
 from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle, Pending
 from jax_ep.ops import _backend
+from jax_ep.ops import _low_latency_normal as _via_normal
 
 
 def _check_pending(pending, op: str) -> None:
@@ -35,6 +42,12 @@ def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts
                                ue8m0: bool = False, backend: Optional[str] = None) -> Any:
   """Sends; returns an opaque pending state for `low_latency_dispatch_done`."""
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
+  if backend == "cuda":
+    out = _via_normal.dispatch_via_normal(x, topk_idx, num_experts=num_experts,
+                                          max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
+                                          ue8m0=ue8m0, backend="cuda")
+    return Pending(out, op="low_latency_dispatch", axis_name=axis_name, num_experts=num_experts,
+                   max_tokens=max_tokens, backend="cuda")
   return ref.low_latency_dispatch_start(x, topk_idx, num_experts=num_experts,
                                         max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
                                         ue8m0=ue8m0)
@@ -47,6 +60,8 @@ def low_latency_dispatch_done(pending: Pending) -> LowLatencyDispatchOutput:
   order; the rest are zero.
   """
   _check_pending(pending, "low_latency_dispatch")
+  if pending.backend == "cuda":
+    return pending.arrays
   return ref.low_latency_dispatch_done(pending)
 
 
@@ -64,7 +79,8 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
   return low_latency_dispatch_done(p)
 
 
-def _check_combine(y, topk_idx, topk_weights, handle, axis_name):
+def _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend):
+  _backend.check_backend(backend)
   if not isinstance(handle, LowLatencyHandle):
     raise ValueError("handle must be the LowLatencyHandle of low_latency_dispatch")
   num_ranks = ref.axis_size(axis_name)
@@ -79,9 +95,15 @@ def _check_combine(y, topk_idx, topk_weights, handle, axis_name):
 
 
 def low_latency_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                              handle: LowLatencyHandle, *, axis_name: str = "ep") -> Any:
+                              handle: LowLatencyHandle, *, axis_name: str = "ep",
+                              backend: Optional[str] = None) -> Any:
   """Sends expert outputs back; returns a pending state for `low_latency_combine_done`."""
-  _check_combine(y, topk_idx, topk_weights, handle, axis_name)
+  _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
+  if backend == "cuda":
+    out = _via_normal.combine_via_normal(y, topk_idx, topk_weights, handle, axis_name=axis_name,
+                                         backend="cuda")
+    return Pending(out, op="low_latency_combine", axis_name=axis_name,
+                   num_experts=handle.num_experts, backend="cuda")
   return ref.low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
 
 
@@ -89,11 +111,15 @@ def low_latency_combine_done(pending: Pending) -> jax.Array:
   """[T, H]: sum over the token's valid (t, k) in ascending (expert, k) order of
   w[t, k] * y[row], float32, cast to y's dtype."""
   _check_pending(pending, "low_latency_combine")
+  if pending.backend == "cuda":
+    return pending.arrays
   return ref.low_latency_combine_done(pending)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        handle: LowLatencyHandle, *, axis_name: str = "ep") -> jax.Array:
+                        handle: LowLatencyHandle, *, axis_name: str = "ep",
+                        backend: Optional[str] = None) -> jax.Array:
   """Fused `low_latency_combine_start` + `low_latency_combine_done`."""
-  p = low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
+  p = low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name,
+                                backend=backend)
   return low_latency_combine_done(p)

@@ -1,0 +1,120 @@
+"""DESIGN §6 "Low-latency" benchmark: decode-sized dispatch / combine at EP=2.
+
+128 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
+max_tokens = 128, FP8 (cast in the op) and BF16 dispatch, BF16 combine.
+Measured in the same process run:
+  jax_ep          low_latency_*(backend="cuda"): the low-latency ops over the
+                  normal CUDA kernels (jax_ep/ops/_low_latency_normal.py)
+  reference       low_latency_*(backend="reference")
+  jax_all_to_all  one row per (token, rank) + dense lax.all_to_all (the
+                  strongest JAX-native pipeline of bench_normal), dispatch and
+                  combine at the same token count
+
+Every low-latency dispatch writes its whole [E_l, R * max_tokens, H] grid
+(rows past the counts are zeros by contract): 470 MB of HBM writes per rank
+at this shape in BF16, whichever implementation. Times are medians of
+jitted steps of chained calls (bench_normal._time_step; at most 8 calls per
+step here, the grids are large); the L2 is not flushed between calls.
+
+  python benchmarks/bench_low_latency.py [--quick] [--out DIR]
+
+Exits 2 (measuring nothing, writing nothing) without 2 GPUs or the CUDA build.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_normal  # noqa: E402
+
+MAX_TOKENS = 128
+
+
+def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
+  import jax
+  from jax.sharding import Mesh
+  import jax_ep
+
+  devices = jax.devices()[:shape.ranks]
+  mesh = Mesh(np.array(devices), ("ep",))
+  x, topk_idx, w = bench_normal._routing(jax.random.PRNGKey(1), shape)
+  idx_np = np.asarray(topk_idx)
+  smap = functools.partial(jax_ep.shard_map, mesh=mesh)
+  e, h = shape.experts, shape.hidden
+  kw = dict(num_experts=e, max_tokens=MAX_TOKENS, axis_name="ep")
+  results: list[dict] = []
+
+  def bench(name, impl, dtype, fn, args, row_bytes):
+    try:
+      iters, reps = bench_normal._adaptive_iters(fn, args, quick)
+      t = bench_normal._time_step(fn, args, iters=min(iters, 8), repeats=reps)
+    except Exception as ex:  # noqa: BLE001 - a failing impl must not hide the others
+      print(f"  {name}/{impl}/{dtype}: FAILED: {type(ex).__name__}: {str(ex)[:300]}", file=sys.stderr)
+      return
+    nv, lg = bench_normal._bytes(idx_np, shape, row_bytes)
+    results.append(dict(bench=name, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
+                        hidden=h, topk=shape.topk, experts=e, ranks=shape.ranks,
+                        max_tokens=MAX_TOKENS, time_us=t * 1e6, nvlink_gbps=nv / t / 1e9,
+                        logical_gbps=lg / t / 1e9, sms=None))
+    print(f"  {name:20s} {impl:16s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
+
+  bf16_row, fp8_row = h * 2, h + (h // 128) * 4
+  from jax_ep._ffi_dispatch import window_bytes_needed
+  nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
+                                            hidden=h, topk=shape.topk, num_experts=e))
+  comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
+  try:
+    for impl, backend in (("jax_ep", "cuda"), ("reference", "reference")):
+      for dtype, fp8, row in (("fp8", True, fp8_row), ("bf16", False, bf16_row)):
+        f = smap(lambda x, i, b=backend, q=fp8: jax_ep.low_latency_dispatch(
+            x, i, fp8=q, backend=b, **kw).recv_x)
+        bench("low_latency_dispatch", impl, dtype, f, (x, topk_idx), row)
+      o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)))(
+          x, topk_idx)
+      y = o.recv_x  # [R * E_l, R * max_tokens, H] bf16, a stand-in for expert outputs
+      fc = smap(lambda y, i, w, hd, b=backend: jax_ep.low_latency_combine(
+          y, i, w, hd, axis_name="ep", backend=b))
+      bench("low_latency_combine", impl, "bf16", fc, (y, topk_idx, w, o.handle), bf16_row)
+    fd = smap(functools.partial(bench_normal._dense_all_to_all_dispatch, shape=shape, axis="ep"))
+    bench("low_latency_dispatch", "jax_all_to_all", "bf16", fd, (x, topk_idx), bf16_row)
+    yd = jax.jit(fd)(x, topk_idx)
+    fdc = smap(functools.partial(bench_normal._dense_all_to_all_combine, shape=shape, axis="ep"))
+    bench("low_latency_combine", "jax_all_to_all", "bf16", fdc, (yd, topk_idx, w), bf16_row)
+    comm.check()
+  finally:
+    comm.close()
+  return results
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
+  ap.add_argument("--quick", action="store_true", help="fewer iterations")
+  args = ap.parse_args(argv)
+  gpus = bench_normal.require_two_gpus("bench_low_latency")
+  if gpus is None:
+    return 2
+  machine = bench_normal._machine(gpus[:2])
+  ce, ce_note = bench_normal.copy_engine_gbps(gpus[:2])
+  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  records = run(bench_normal.Shape(tokens=128), quick=args.quick)
+  if not records:
+    print("bench_low_latency: every implementation failed; nothing written", file=sys.stderr)
+    return 1
+  bench_normal._finish(records, ce, ce_note, machine)
+  out = bench_normal.write_records(records, args.out, "low_latency")
+  print(bench_normal._table(records))
+  print(f"json: {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

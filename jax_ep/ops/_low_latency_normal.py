@@ -81,7 +81,8 @@ def combine_via_normal(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arra
   _, m, d = y.shape
   cap = _capacity(ref.axis_size(axis_name), topk_idx)
   placeholder = jnp.zeros((t, 8), jnp.bfloat16)  # 16 bytes: the smallest row a dispatch moves
-  o = dispatch(placeholder, topk_idx, topk_weights, num_experts=h.num_experts,
+  # f32 is exact: the reference multiplies in f32 whatever the weights' dtype.
+  o = dispatch(placeholder, topk_idx, topk_weights.astype(jnp.float32), num_experts=h.num_experts,
                axis_name=axis_name, layout="expert", capacity=cap, backend=backend)
   rows = _grid_rows(o.counts, m, cap).reshape(-1)
   packed = jnp.zeros((cap + 1, d), y.dtype).at[rows].set(y.reshape(-1, d), mode="drop")[:cap]

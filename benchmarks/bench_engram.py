@@ -91,7 +91,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram
-  from bench_normal import _adaptive_iters, _time_step
+  from bench_normal import time_or_none
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -112,12 +112,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
                         mrows_per_s=rows / t / 1e6, sms=nsms))
 
   def bench(impl, dtype, fn, args, row_bytes, nsms=None):
-    try:
-      iters, reps = _adaptive_iters(fn, args, quick)
-      t = _time_step(fn, args, iters=iters, repeats=reps)
-    except Exception as e:  # noqa: BLE001 - a failing impl must not hide the others
-      print(f"  engram_fetch/{impl}/{dtype}: FAILED: {type(e).__name__}: {str(e)[:400]}",
-            file=sys.stderr)
+    t = time_or_none(f"engram_fetch/{impl}/{dtype}", fn, args, quick)
+    if t is None:
       return
     record(impl, dtype, t, row_bytes, nsms)
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
@@ -165,21 +161,11 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
   ap.add_argument("--quick", action="store_true", help="fewer iterations")
   args = ap.parse_args(argv)
-  from bench_normal import require_two_gpus
-  gpus = require_two_gpus("bench_engram")
-  if gpus is None:
-    return 2
-  from bench_normal import _finish, _machine, copy_engine_gbps, write_records
-
-  machine = _machine(gpus[:2])
-  ce, ce_note = copy_engine_gbps(gpus[:2])
-  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
-  records = run(Shape(), quick=args.quick)
-  if not records:
-    print("bench_engram: every implementation failed; nothing written", file=sys.stderr)
-    return 1
-  _finish(records, ce, ce_note, machine)
-  out = write_records(records, args.out, "engram")
+  from bench_normal import measure_and_write
+  status, records, out = measure_and_write("bench_engram", "engram",
+                                           lambda: run(Shape(), quick=args.quick), args.out)
+  if status:
+    return status
   hdr = f"{'impl':16s} {'dtype':5s} {'time_us':>10s} {'nvlink':>8s} {'logical':>8s} {'Mrows/s':>9s} {'x_ce':>6s}"
   print(hdr + "\n" + "-" * len(hdr))
   for r in records:

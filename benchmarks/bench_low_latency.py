@@ -52,11 +52,8 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
   results: list[dict] = []
 
   def bench(name, impl, dtype, fn, args, row_bytes):
-    try:
-      iters, reps = bench_normal._adaptive_iters(fn, args, quick)
-      t = bench_normal._time_step(fn, args, iters=min(iters, 8), repeats=reps)
-    except Exception as ex:  # noqa: BLE001 - a failing impl must not hide the others
-      print(f"  {name}/{impl}/{dtype}: FAILED: {type(ex).__name__}: {str(ex)[:300]}", file=sys.stderr)
+    t = bench_normal.time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick, max_iters=8)
+    if t is None:
       return
     nv, lg = bench_normal._bytes(idx_np, shape, row_bytes)
     results.append(dict(bench=name, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
@@ -99,18 +96,11 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
   ap.add_argument("--quick", action="store_true", help="fewer iterations")
   args = ap.parse_args(argv)
-  gpus = bench_normal.require_two_gpus("bench_low_latency")
-  if gpus is None:
-    return 2
-  machine = bench_normal._machine(gpus[:2])
-  ce, ce_note = bench_normal.copy_engine_gbps(gpus[:2])
-  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
-  records = run(bench_normal.Shape(tokens=128), quick=args.quick)
-  if not records:
-    print("bench_low_latency: every implementation failed; nothing written", file=sys.stderr)
-    return 1
-  bench_normal._finish(records, ce, ce_note, machine)
-  out = bench_normal.write_records(records, args.out, "low_latency")
+  status, records, out = bench_normal.measure_and_write(
+      "bench_low_latency", "low_latency", lambda: run(bench_normal.Shape(tokens=128), quick=args.quick),
+      args.out)
+  if status:
+    return status
   print(bench_normal._table(records))
   print(f"json: {out}")
   return 0

@@ -137,6 +137,37 @@ def _adaptive_iters(fn, args, quick: bool) -> tuple[int, int]:
   return (50, 7) if t < 2e-3 else (5, 5)
 
 
+def time_or_none(label: str, fn, args, quick: bool, max_iters: Optional[int] = None) -> Optional[float]:
+  """Seconds per call of `fn` (adaptive iterations), or None after printing
+  why it failed: a failing implementation must not hide the others."""
+  try:
+    iters, reps = _adaptive_iters(fn, args, quick)
+    return _time_step(fn, args, iters=min(iters, max_iters or iters), repeats=reps)
+  except Exception as e:  # noqa: BLE001
+    print(f"  {label}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
+    return None
+
+
+def measure_and_write(name: str, json_name: str, run_fn: Callable[[], list[dict]],
+                      out_dir: str) -> tuple[int, list[dict], Optional[str]]:
+  """The frame of a two-GPU benchmark script: (exit status, records, JSON
+  path). Exit 2 without 2 GPUs or the CUDA build, 1 when every
+  implementation failed; else the copy-engine ceiling of the same run is
+  added and the records are written."""
+  gpus = require_two_gpus(name)
+  if gpus is None:
+    return 2, [], None
+  machine = _machine(gpus[:2])
+  ce, ce_note = copy_engine_gbps(gpus[:2])
+  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  records = run_fn()
+  if not records:
+    print(f"{name}: every implementation failed; nothing written", file=sys.stderr)
+    return 1, [], None
+  _finish(records, ce, ce_note, machine)
+  return 0, records, write_records(records, out_dir, json_name)
+
+
 def copy_engine_gbps(devices, nbytes: int = 256 << 20, repeats: int = 10) -> tuple[float, str]:
   """Per-direction GB/s of a bidirectional peer copy, both GPUs at once."""
   try:
@@ -279,11 +310,8 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
                         sms=nsms))
 
   def bench(name, impl, dtype, fn, args, row_bytes, nsms=None):
-    try:
-      iters, reps = _adaptive_iters(fn, args, quick)
-      t = _time_step(fn, args, iters=iters, repeats=reps)
-    except Exception as e:  # noqa: BLE001 - a failing impl must not hide the others
-      print(f"  {name}/{impl}/{dtype}: FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+    t = time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick)
+    if t is None:
       return
     record(name, impl, dtype, t, row_bytes, nsms)
     print(f"  {name:16s} {impl:24s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 import jax_ep
 from jax_ep import _native
+from oracle import bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,11 +27,6 @@ COMM_BYTES = 1 << 30
 @pytest.fixture(scope="module")
 def comm(gpu_comm):
   return gpu_comm
-
-
-def _bits(a) -> np.ndarray:
-  a = np.asarray(a)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 @pytest.mark.parametrize("T,H,K,E,mt,fp8,split", [
@@ -70,4 +66,4 @@ def test_low_latency_cuda_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, spl
   for i, (a, b) in enumerate(zip(lg, lw)):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape, a.dtype, b.dtype)
-    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"leaf {i}")
+    np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"leaf {i}")

@@ -185,24 +185,18 @@ def test_public_engram_uses_kernels_only_with_explicit_cuda_backend(monkeypatch,
   assert n == (1 if backend == "cuda" else 0), text
 
 
-def test_engram_cuda_backend_without_communicator_raises():
+@pytest.mark.parametrize("dim,match", [
+    (128, "Communicator"),    # no communicator for the axis
+    (4, "multiple of 16"),    # rows of 8 bytes
+])
+def test_engram_cuda_backend_without_communicator_or_with_short_rows_raises(dim, match):
   import jax_ep
 
   mesh = _mesh(2)
   f = _shard_map(lambda t, i: jax_ep.engram_fetch(t, i.reshape(4, 2), backend="cuda")[None],
                  mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
-  with pytest.raises(ValueError, match="Communicator"):
-    jax.jit(f).lower(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))
-
-
-def test_engram_cuda_backend_rejects_rows_not_a_multiple_of_16_bytes():
-  import jax_ep
-
-  mesh = _mesh(2)
-  f = _shard_map(lambda t, i: jax_ep.engram_fetch(t, i.reshape(4, 2), backend="cuda")[None],
-                 mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
-  with pytest.raises(ValueError, match="multiple of 16"):
-    jax.jit(f).lower(jnp.zeros((16, 4), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))
+  with pytest.raises(ValueError, match=match):
+    jax.jit(f).lower(jnp.zeros((16, dim), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))
 
 
 def test_engram_window_bytes_needed_places_table_above_reserved_area():

@@ -44,7 +44,7 @@ class Shape:
   dim: int = 128
   tokens: int = 512
   rows_per_token: int = 24
-  ranks: int = 2
+  ranks: int = int(os.environ.get("JAX_EP_BENCH_RANKS", "2"))  # EP size (DESIGN §6: 2)
 
 
 def _tables(shape: Shape, mesh):

@@ -47,7 +47,7 @@ class Shape:
   hidden: int = 7168
   topk: int = 8
   experts: int = 256
-  ranks: int = 2
+  ranks: int = int(os.environ.get("JAX_EP_BENCH_RANKS", "2"))  # EP size (DESIGN §6: 2)
 
 
 # ---------------------------------------------------------------- helpers
@@ -157,7 +157,7 @@ def measure_and_write(name: str, json_name: str, run_fn: Callable[[], list[dict]
   gpus = require_two_gpus(name)
   if gpus is None:
     return 2, [], None
-  machine = _machine(gpus[:2])
+  machine = _machine(gpus[:Shape().ranks])
   ce, ce_note = copy_engine_gbps(gpus[:2])
   print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
   records = run_fn()
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
   if gpus is None:
     return 2
 
-  machine = _machine(gpus[:2])
+  machine = _machine(gpus[:Shape().ranks])
   ce, ce_note = copy_engine_gbps(gpus[:2])
   print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
   records: list[dict] = []

@@ -169,18 +169,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"[jax_ep] fixed-order f32 sums matched the oracle as: {tally}")
 
 
+def ep_test_gpus() -> int:
+    """GPUs the GPU tests' communicator spans (env JAX_EP_TEST_GPUS, default 2):
+    the same tests run at EP2, EP4 and EP8 on a machine that has the GPUs."""
+    return int(os.environ.get("JAX_EP_TEST_GPUS", "2"))
+
+
 @pytest.fixture(scope="module")
 def gpu_comm(request):
-    """A Communicator over the first 2 GPUs for a GPU test module (window bytes
-    from the module's COMM_BYTES, default 64 MiB); skips without 2 GPUs."""
+    """A Communicator over the first JAX_EP_TEST_GPUS GPUs (default 2) for a
+    GPU test module (window bytes from the module's COMM_BYTES, default
+    64 MiB); skips without that many GPUs."""
     from jax_ep import _native
     if not _native.cuda_available():
         pytest.skip("needs jax_ep's CUDA build and GPUs")
     devs = jax.devices("cuda")
-    if len(devs) < 2:
-        pytest.skip("needs 2 GPUs")
+    n = ep_test_gpus()
+    if len(devs) < n:
+        pytest.skip(f"needs {n} GPUs")
     from jax_ep.comm import Communicator
-    mesh = jax.sharding.Mesh(np.array(devs[:2]), (AXIS,))
+    mesh = jax.sharding.Mesh(np.array(devs[:n]), (AXIS,))
     c = Communicator.create(mesh, AXIS, getattr(request.module, "COMM_BYTES", 64 << 20))
     yield c
     c.close()

@@ -200,16 +200,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_one_gpu_each():
-    if len(jax.devices("cuda")) < 2:
-        pytest.skip("needs 2 GPUs")
+def test_one_process_per_gpu():
+    from conftest import ep_test_gpus
+    n = ep_test_gpus()
+    if len(jax.devices("cuda")) < n:
+        pytest.skip(f"needs {n} GPUs")
     port = _free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
     env.pop("JAX_NUM_CPU_DEVICES", None)
     worker = os.path.join(HERE, "gpu_multiprocess_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), "2"], env=env,
+    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(n)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+             for i in range(n)]
     outs = []
     try:
         for p in procs:

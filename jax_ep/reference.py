@@ -54,6 +54,8 @@ def _exchange(x: Array, axis_name: str) -> Array:
 
 def _take_rows(table: Array, rows: Array) -> Array:
   """table[rows] with rows outside [0, len) (padding, -1) giving zeros."""
+  if table.shape[0] == 0:  # jnp.take refuses an empty axis; every row is padding
+    return jnp.zeros(rows.shape + table.shape[1:], table.dtype)
   # jnp.take wraps negative indices even with mode="fill": move them past the end.
   rows = jnp.where(rows < 0, table.shape[0], rows)
   if table.dtype == _fp8.FP8_DTYPE:

@@ -66,6 +66,7 @@ LL_CASES = [
     (8, 16, 4, 8, 128, BF16, 16, "skewed"),
     (4, 16, 2, 8, 128, BF16, 16, "empty_rank"),
     (2, 1, 1, 8, 128, F32, 4, "random"),
+    (2, 0, 2, 8, 128, BF16, 4, "random"),  # no tokens anywhere: an empty gather, zero grid
 ]
 
 

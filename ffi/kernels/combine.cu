@@ -37,7 +37,6 @@ struct CombineCfg {
   int has_w;
   int ce_rows;      // > 0: rows go back by copy engine (rank layout; ce_push.h)
   uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
-  int count_batch;  // rows per CountBatch flush
 };
 
 struct CombineIO {
@@ -243,8 +242,6 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   }
 
   if (sender) {
-    __shared__ uint32_t* s_pending[kWarps][kMaxCountBatch][kMaxRanks];
-    CountBatch batch{s_pending[threadIdx.x >> 5], c.count_batch};
     const int sw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
     const int nsw = send_blocks * kWarps;
     if (!c.expert) {
@@ -264,7 +261,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
             char* const jbase = ShflPtr(lane_base, j);
             SendCombineRow(c, w, io, jbase + w.recv_off + (static_cast<size_t>(r) * c.T + pos) * w.row_bytes,
                            s_prefix[j] + pos);
-            batch.Add(ChunkCounter(jbase, r, pos / chunk), 1u << j);
+            CountRowsDone(ChunkCounter(jbase, r, pos / chunk), 1u);
           }
         }
       }
@@ -275,10 +272,9 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         const int t = io.src_token[row], k = io.src_k[row];
         char* const sbase = ShflPtr(lane_base, s);
         SendCombineRow(c, w, io, sbase + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes, row);
-        batch.Add(ChunkCounter(sbase, r, t / chunk), 1u << s);
+        CountRowsDone(ChunkCounter(sbase, r, t / chunk), 1u);
       }
     }
-    batch.Flush();
     return;
   }
 
@@ -463,7 +459,6 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   c.C = a.capacity;
   c.expert = a.layout == EpLayout::kExpert;
   c.has_w = a.weights != nullptr;
-  c.count_batch = CountBatchRows();
   const CombineWindow w(R, c.T, c.H, c.K, EpDtypeBytes(a.y_dtype), c.expert);
   // Expert layout: a source's slots [t][k] interleave the ranks, so no
   // rank's rows form one block to copy; those stay on SM stores.

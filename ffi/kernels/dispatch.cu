@@ -56,7 +56,6 @@ struct DispatchCfg {
   int ue8m0;
   int ce_rows;      // > 0: remote rows go by copy engine in chunks of this many (ce_push.h)
   uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
-  int count_batch;  // rows per CountBatch flush
 };
 
 struct PushIO {
@@ -683,8 +682,6 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   }
 
   if (send_ok && static_cast<int>(blockIdx.x) < send_blocks) {
-    __shared__ uint32_t* s_pending[kWarps][kMaxCountBatch][kMaxRanks];
-    CountBatch batch{s_pending[threadIdx.x >> 5], c.count_batch};
     const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
     // Indexing the by-value EpPeers with a runtime rank goes through local
     // memory; do it once per thread, then move pointers between lanes.
@@ -707,10 +704,9 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
                     static_cast<uint32_t>(min(c.ce_rows, lane_sends - ch * c.ce_rows)),
                     pos >= 0 ? CeReady(my, jl, ch) : nullptr, remote, c.ce_seq);
       } else {
-        batch.Add(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
+        CountRowsDone(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
       }
     }
-    batch.Flush();
   } else if (send_ok) {
     const int rwarp = gwarp - send_blocks * kWarps;
     const int nrw = gwarps - send_blocks * kWarps;
@@ -771,12 +767,6 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
   return std::max(1, std::min(cap, needed));
-}
-
-int CountBatchRows() {
-  // 4: measured on 2 x H200 (RESULTS.md, session 4).
-  const int v = EnvInt("JAX_EP_COUNT_BATCH");
-  return v > 0 ? std::min(v, kMaxCountBatch) : 4;
 }
 
 void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
@@ -842,7 +832,6 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   c.in_bytes = EpDtypeBytes(a.x_dtype);
   c.has_scales = fp8;
   c.ue8m0 = a.ue8m0;
-  c.count_batch = CountBatchRows();
   const DispatchWindow w(R, c.T, c.H, c.K, c.E, fp8 ? 1 : c.in_bytes, fp8);
   if (ce != nullptr) {
     c.ce_rows = CeChunkRows(c.T, CeCopies());

@@ -122,49 +122,24 @@ __device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
   }
 }
 
-// Sending warps count their rows on the receivers' chunk counters in
-// batches: before the adds, one system fence must make the batch's rows
-// visible, and that fence waits until every store the warp has issued is
-// acknowledged across NVLink, a round trip during which the warp has nothing
-// in flight. Paid per row it idled the senders about a third of the time
-// (benchmarks/RESULTS.md, session 4). Lane j (< kMaxRanks) records the
-// counter of its row in rank j's window, or null; the pointers wait in
-// shared memory, a [kMaxCountBatch][kMaxRanks] block per warp.
-constexpr int kMaxCountBatch = 8;
-struct CountBatch {
-  uint32_t* (*slot)[kMaxRanks];
-  int limit;  // 1..kMaxCountBatch, warp-uniform
-  int n = 0;
-
-  // The warp has issued the stores of one row to the ranks in `mask`.
-  __device__ __forceinline__ void Add(uint32_t* lane_counter, unsigned mask) {
-    const int lane = LaneId();
-    if (lane < kMaxRanks) slot[n][lane] = ((mask >> lane) & 1u) ? lane_counter : nullptr;
-    if (++n == limit) Flush();
+// The warp has finished storing its rows to the destinations in `mask`; lane
+// j holds the chunk counter of its row in rank j's window. Make the rows
+// visible system-wide, then count each. bar.warp.sync orders the other
+// lanes' stores before lane 0's fence, which is cumulative.
+__device__ __forceinline__ void CountRowsDone(uint32_t* counter, unsigned mask) {
+  __syncwarp();
+  if (LaneId() == 0) __threadfence_system();
+  for (unsigned m = mask; m; m &= m - 1) {
+    uint32_t* c = ShflPtr(counter, __ffs(m) - 1);
+    if (LaneId() == 0) asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
   }
-  // bar.warp.sync orders the other lanes' row stores (and slot writes) before
-  // lane 0's fence, which is cumulative; lane 0 then does every add.
-  __device__ __forceinline__ void Flush() {
-    if (n == 0) return;
-    __syncwarp();
-    if (LaneId() == 0) {
-      __threadfence_system();
-      for (int i = 0; i < n; ++i) {
-        for (int j = 0; j < kMaxRanks; ++j) {
-          if (uint32_t* c = slot[i][j]) asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
-        }
-      }
-    }
-    __syncwarp();
-    n = 0;
-  }
-};
+}
 
 // Copy-engine mode (ce_push.h): the warp has staged its rows for the
 // destinations in `mask` in this rank's own window; lane j holds its row's
 // (local) chunk counter, the number of rows that chunk holds and the
 // chunk's ready flag. The warp that completes a chunk raises the flag the
-// copy-engine stream waits for. Same fence-then-count as CountBatch: the
+// copy-engine stream waits for. Same fence-then-count as CountRowsDone: the
 // copy engine must see every row of the chunk once it sees the flag.
 __device__ __forceinline__ void CountStaged(uint32_t* counter, uint32_t rows, uint32_t* ready,
                                             unsigned mask, uint32_t seq) {

@@ -100,11 +100,6 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
 size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales);
 size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout);
 
-// Rows a sending warp pushes between two fences + chunk-counter updates
-// (ep_copy.cuh CountBatch): env JAX_EP_COUNT_BATCH, read per launch so one
-// process can compare values, else the measured default.
-int CountBatchRows();
-
 // CTAs for the data-moving kernels, from a bandwidth model (see dispatch.cu);
 // `requested` > 0 or env JAX_EP_NUM_SMS override it.
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks);

@@ -5,7 +5,7 @@
 // a deep shared-memory ring, one direction and both at once.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/nvlink_push.cu -o /tmp/nvlink_push
-//   /tmp/nvlink_push [MiB] > push.jsonl
+//   /tmp/nvlink_push [MiB] [rows] > push.jsonl   ("rows": the RowPush block only)
 //
 // Each line: {"mode":..., "dir":"uni"|"bi", "ctas":..., "threads":...,
 // "unroll":..., "gbps": median over reps (bytes / time, one direction)}.
@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <string>
 #include <vector>
 #include <cuda_runtime.h>
 
@@ -112,6 +113,61 @@ __global__ void BulkPush(const char* __restrict__ src, char* dst, size_t bytes, 
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// The dispatch data kernel's shape, piece by piece: a warp per row of
+// `nvec` 16-byte vectors, rows strided over the sending warps, each row
+// stored to the peer (and, kLocal, to a local output row too), then (kFence)
+// a system fence and a counter add per row. CTAs past `send_ctas` stand in
+// for the receivers: they copy a local buffer of the same size meanwhile.
+template <bool kLocal, bool kFence>
+__global__ void __launch_bounds__(1024, 1) RowPush(const uint4* __restrict__ x, uint4* remote,
+                                                   uint4* local, uint32_t* counters, int rows,
+                                                   int nvec, int send_ctas, const uint4* __restrict__ cin,
+                                                   uint4* cout) {
+  const int lane = threadIdx.x & 31;
+  const int warps = blockDim.x / 32;
+  if (static_cast<int>(blockIdx.x) >= send_ctas) {
+    const size_t n = static_cast<size_t>(rows) * nvec;
+    const size_t stride = static_cast<size_t>(gridDim.x - send_ctas) * blockDim.x;
+    for (size_t i = static_cast<size_t>(blockIdx.x - send_ctas) * blockDim.x + threadIdx.x; i < n; i += stride)
+      cout[i] = cin[i];
+    return;
+  }
+  const int gw = blockIdx.x * warps + (threadIdx.x >> 5);
+  const int nw = send_ctas * warps;
+  for (int t = gw; t < rows; t += nw) {
+    const uint4* src = x + static_cast<size_t>(t) * nvec;
+    uint4* dst = remote + static_cast<size_t>(t) * nvec;
+    uint4* out = local + static_cast<size_t>(t) * nvec;
+    for (int base = 0; base < nvec; base += 128) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < nvec)
+          asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(src + i));
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= nvec) continue;
+        asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(dst + i), "r"(v[u].x),
+                     "r"(v[u].y), "r"(v[u].z), "r"(v[u].w) : "memory");
+        if (kLocal)
+          asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(out + i), "r"(v[u].x),
+                       "r"(v[u].y), "r"(v[u].z), "r"(v[u].w) : "memory");
+      }
+    }
+    if (kFence) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(counters + t / 32) : "memory");
+      }
+    }
+  }
+}
+
 struct Pair {
   int dev[2] = {0, 1};
   char* buf[2][2];  // [device][0 = src, 1 = dst]
@@ -148,6 +204,7 @@ int main(int argc, char** argv) {
   const size_t mib = argc > 1 ? std::atoi(argv[1]) : 256;
   const size_t bytes = mib << 20;
   const int reps = 9;
+  const bool rows_only = argc > 2 && std::string(argv[2]) == "rows";  // the RowPush block alone
   Pair P;
   for (int d = 0; d < 2; ++d) {
     CK(cudaSetDevice(P.dev[d]));
@@ -170,6 +227,31 @@ int main(int argc, char** argv) {
            CK(cudaMemcpyAsync(t, s, bytes, cudaMemcpyDefault, st));
          }));
     const size_t n = bytes / 16;
+    {
+      // Rows of the Normal shape: 4096 x 7168 bf16 (58.7 MB).
+      const int rows = 4096, nvec = 7168 * 2 / 16;
+      const size_t rb = static_cast<size_t>(rows) * nvec * 16;
+      auto rowpush = [&](auto kernel, const char* name, int send, int recv) {
+        emit(name, bi, send, 1024, recv, TimeIt(P, bi, rb, reps, [&](int d, char* s, char* t, cudaStream_t st) {
+               // Local output, counters and the copier's buffers live in this GPU's dst/src halves.
+               char* mine = P.buf[d][1];
+               kernel<<<send + recv, 1024, 0, st>>>(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(t),
+                                                   reinterpret_cast<uint4*>(mine + rb),
+                                                   reinterpret_cast<uint32_t*>(mine + 2 * rb), rows, nvec, send,
+                                                   reinterpret_cast<const uint4*>(s + rb),
+                                                   reinterpret_cast<uint4*>(mine + 3 * rb));
+             }));
+      };
+      rowpush(RowPush<false, false>, "rows", 12, 0);
+      rowpush(RowPush<true, false>, "rows_local", 12, 0);
+      rowpush(RowPush<false, true>, "rows_fence", 12, 0);
+      rowpush(RowPush<true, true>, "rows_local_fence", 12, 0);
+      rowpush(RowPush<true, true>, "rows_local_fence_copier", 12, 12);
+      rowpush(RowPush<false, false>, "rows_copier", 12, 12);
+      rowpush(RowPush<true, true>, "rows_local_fence", 24, 0);
+      rowpush(RowPush<false, false>, "rows", 24, 0);
+    }
+    if (rows_only) continue;
     auto push = [&](auto kernel, const char* name, int ctas, int threads, int unroll) {
       emit(name, bi, ctas, threads, unroll, TimeIt(P, bi, bytes, reps, [&](int d, char* s, char* t, cudaStream_t st) {
              kernel<<<ctas, threads, 0, st>>>(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(t), n);

@@ -140,16 +140,26 @@ void SetupOneDevice(DeviceResources& d) {
             "cudaMemset(counters)", d.device_ordinal);
 }
 
+static_assert(kNumDeviceCounters - kGinSnapshotCounter == kGinSignalCount,
+              "one snapshot counter per GIN signal");
+
 // JAX_EP_TRANSPORT, read at every create so a test can flip it in-process.
-bool ForceGinFromEnv() {
+struct TransportEnv {
+  bool force_gin = false;
+  bool emulate_gin = false;
+};
+TransportEnv TransportFromEnv() {
   const char* raw = std::getenv("JAX_EP_TRANSPORT");
   std::string v = raw == nullptr ? "" : raw;
   for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (v.empty() || v == "auto") return false;
-  if (v == "gin") return true;
+  if (v.empty() || v == "auto") return {};
+  if (v == "gin") return {true, false};
+  if (v == "gin_emulated") return {true, true};
   Fail("JAX_EP_TRANSPORT=" + std::string(raw) +
        " is not understood: use 'auto' (the default: NVLink inside NCCL's LSA team, GIN "
-       "beyond it) or 'gin' (every remote peer over GIN, to test that path)");
+       "beyond it), 'gin' (every remote peer over GIN, to test that path) or 'gin_emulated' "
+       "(every remote peer through the GIN code path, carried over NVLink, to test it "
+       "without a NIC)");
 }
 
 // Asked only when some peer needs GIN. NCCL answers for the whole
@@ -173,11 +183,12 @@ GinSupport QueryGinSupport(const DeviceResources& d) {
 #endif
 }
 
-TransportInputs DescribePeers(const DeviceResources& d, bool force_gin) {
+TransportInputs DescribePeers(const DeviceResources& d, bool force_gin, bool emulate_gin) {
   TransportInputs in;
   in.rank = d.rank;
   in.device_ordinal = d.device_ordinal;
   in.force_gin = force_gin;
+  in.emulate_gin = emulate_gin;
   in.nccl_version = NCCL_VERSION_CODE;
   const ncclTeam_t world = ncclTeamWorld(d.comm);
   const ncclTeam_t lsa = ncclTeamLsa(d.comm);
@@ -187,7 +198,8 @@ TransportInputs DescribePeers(const DeviceResources& d, bool force_gin) {
     in.lsa_member[peer] = ncclTeamRankIsMember(lsa, world, peer);
     needs_gin |= peer != d.rank && (force_gin || !in.lsa_member[peer]);
   }
-  in.gin = needs_gin ? QueryGinSupport(d) : GinSupport::kNotBuilt;
+  // Emulated GIN asks nothing of NCCL's GIN.
+  in.gin = needs_gin && !emulate_gin ? QueryGinSupport(d) : GinSupport::kNotBuilt;
   return in;
 }
 
@@ -249,7 +261,7 @@ void UploadGinComm(DeviceResources& d) {
 void FetchPeerPointers(DeviceResources& d) {
   uint32_t want = 0;
   for (int r = 0; r < d.nranks; ++r)
-    if (((d.gin_mask >> r) & 1u) == 0u) want |= 1u << r;
+    if (d.gin_emulated || ((d.gin_mask >> r) & 1u) == 0u) want |= 1u << r;
   CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
   char** dev_out = nullptr;
   CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev_out), kMaxRanks * sizeof(char*)),
@@ -264,6 +276,14 @@ void FetchPeerPointers(DeviceResources& d) {
   for (int r = 0; r < d.nranks; ++r) {
     if (((want >> r) & 1u) && d.peer_base[r] == nullptr) {
       Fail("NCCL returned no LSA address for rank " + std::to_string(r) + "'s window");
+    }
+  }
+  // Emulated GIN: only gin.cuh's helpers get a GIN peer's address; the
+  // kernels see a null base[j] for it, as with a real GIN.
+  for (int r = 0; r < d.nranks; ++r) {
+    if (d.gin_emulated && ((d.gin_mask >> r) & 1u)) {
+      d.gin_emu_base[r] = d.peer_base[r];
+      d.peer_base[r] = nullptr;
     }
   }
 }
@@ -295,6 +315,9 @@ EpPeers DeviceResources::peers() const {
   p.timeout_ns = timeout_ns;
   p.gin_mask = gin_mask;
   p.gin = gin_dev;
+  for (int r = 0; r < kMaxRanks; ++r) p.gin_emu[r] = gin_emu_base[r];
+  p.gin_emulated = gin_emulated;
+  p.gin_snapshot = gin_mask != 0 && counters != nullptr ? counters + kGinSnapshotCounter : nullptr;
   return p;
 }
 
@@ -388,7 +411,7 @@ void CommResources::Close() {
 
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s) {
   CheckVersion();
-  const bool force_gin = ForceGinFromEnv();
+  const TransportEnv transport = TransportFromEnv();
   if (groups.empty()) Fail("comm_create needs at least one EP group");
   if (!(timeout_s > 0)) Fail("timeout_s must be > 0");
   if (num_bytes <= kWindowHeaderBytes) {
@@ -461,10 +484,11 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
   std::vector<TransportInputs> inputs;
   for (auto& d : res->devices) {
     if (d.window == nullptr) Fail("ncclCommWindowRegister returned no window");
-    inputs.push_back(DescribePeers(d, force_gin));
+    inputs.push_back(DescribePeers(d, transport.force_gin, transport.emulate_gin));
     const TransportPlan plan = PlanTransports(inputs.back());
     if (!plan.error.empty()) throw std::runtime_error(plan.error);
     d.gin_mask = plan.gin_mask;
+    d.gin_emulated = plan.gin_emulated;
     d.lsa_team_size = 0;
     for (bool member : inputs.back().lsa_member) d.lsa_team_size += member ? 1 : 0;
   }
@@ -473,7 +497,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
   // symmetric, and JAX_EP_TRANSPORT is the same everywhere).
   int gin_dev_index = -1;
   for (size_t i = 0; i < res->devices.size() && gin_dev_index < 0; ++i)
-    if (res->devices[i].gin_mask != 0) gin_dev_index = static_cast<int>(i);
+    if (res->devices[i].gin_mask != 0 && !res->devices[i].gin_emulated) gin_dev_index = static_cast<int>(i);
   auto no_gin = [&](const std::string& why) {
     const DeviceResources& d = res->devices[gin_dev_index];
     return std::runtime_error(NoTransportMessage(inputs[gin_dev_index], FirstBit(d.gin_mask), why));
@@ -489,7 +513,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
       std::memset(&reqs, 0, sizeof(reqs));
 #endif
       reqs.lsaBarrierCount = kLsaBarrierCount;
-      if (d.gin_mask != 0) AddGinRequirements(reqs);
+      if (d.gin_mask != 0 && !d.gin_emulated) AddGinRequirements(reqs);
       CheckNccl(ncclDevCommCreate(d.comm, &reqs, &d.devcomm), "ncclDevCommCreate", d.comm);
     }
     group.End("ncclDevCommCreate (group)");
@@ -515,7 +539,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
       Fail("ncclDevComm LSA team has " + std::to_string(d.devcomm.lsaSize) + " ranks but NCCL's "
            "host-side LSA team has " + std::to_string(d.lsa_team_size));
     }
-    if (d.gin_mask != 0) {
+    if (d.gin_mask != 0 && !d.gin_emulated) {
       const std::string why = CheckGinDevComm(d);
       if (!why.empty()) throw no_gin(why);
       UploadGinComm(d);
@@ -652,6 +676,13 @@ std::string NoTransportMessage(const TransportInputs& in, int peer, const std::s
   std::string msg = "jax_ep: no transport from EP rank " + std::to_string(in.rank) + " (device " +
                     std::to_string(in.device_ordinal) + ") to EP rank " + std::to_string(peer) +
                     ": ";
+  if (in.emulate_gin) {
+    msg += "JAX_EP_TRANSPORT=gin_emulated carries GIN over NVLink, and this peer is outside "
+           "NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) + " (" +
+           std::to_string(lsa_size) + " of " + std::to_string(n) + " ranks are in it). " +
+           gin_why + ". Unset JAX_EP_TRANSPORT (or set it to 'auto').";
+    return msg;
+  }
   if (in.force_gin && in_lsa) {
     msg += "JAX_EP_TRANSPORT=gin puts every remote peer on GIN, although this one is in NCCL's "
            "LSA (NVLink load/store) team";
@@ -683,7 +714,14 @@ TransportPlan PlanTransports(const TransportInputs& in) {
       plan.gin_mask |= 1u << j;
     }
   }
-  if (plan.gin_mask != 0) {
+  if (in.emulate_gin) {
+    // Emulated puts are NVLink stores: every GIN peer must be an LSA peer.
+    plan.gin_emulated = plan.gin_mask != 0;
+    for (int j = 0; j < n && plan.error.empty(); ++j) {
+      if (((plan.gin_mask >> j) & 1u) && !in.lsa_member[j])
+        plan.error = NoTransportMessage(in, j, "Emulated GIN needs every peer in that team");
+    }
+  } else if (plan.gin_mask != 0) {
     const std::string why = GinSupportReason(in.gin, in.nccl_version);
     if (!why.empty()) plan.error = NoTransportMessage(in, FirstBit(plan.gin_mask), why);
   }

@@ -10,7 +10,11 @@
 // JAX_EP_TRANSPORT=gin (read at every create; the default is "auto") puts
 // every remote peer on GIN, to exercise the GIN branch on one host; it must
 // be set alike in every process of a group, since the device communicator is
-// created collectively with or without GIN.
+// created collectively with or without GIN. JAX_EP_TRANSPORT=gin_emulated
+// also puts every remote peer on GIN, but the kernels' GIN helpers carry
+// the puts and signals over NVLink (gin.cuh), so the kernels' GIN branches
+// run, and are tested, on machines without a NIC; every peer must then be
+// in the LSA team.
 //
 // Lifetime: CreateComm puts a CommResources into a process-wide registry under
 // a fresh comm_id. FFI states hold shared_ptrs to it, but the GPU resources are
@@ -42,8 +46,11 @@ namespace jax_ep {
 constexpr int kLsaBarrierCount = 64;
 
 // Device-local counters, zeroed at create. Slots 0 and 1 back EpPeers.epoch and
-// EpPeers.grid_sync; the rest are free for kernels that need scratch counters.
-constexpr int kNumDeviceCounters = 64;
+// EpPeers.grid_sync, slots from kGinSnapshotCounter on EpPeers.gin_snapshot
+// (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount); the rest are free for
+// kernels that need scratch counters.
+constexpr int kGinSnapshotCounter = 64;
+constexpr int kNumDeviceCounters = kGinSnapshotCounter + kMaxRanks * 32;
 
 // How one rank reaches another.
 enum class Transport : uint8_t { kSelf = 0, kLsa = 1, kGin = 2 };
@@ -62,7 +69,8 @@ struct TransportInputs {
   int rank = 0;
   int device_ordinal = -1;
   std::vector<bool> lsa_member;  // by EP rank: in NCCL's LSA team of `rank`
-  bool force_gin = false;        // JAX_EP_TRANSPORT=gin
+  bool force_gin = false;        // JAX_EP_TRANSPORT=gin or gin_emulated
+  bool emulate_gin = false;      // JAX_EP_TRANSPORT=gin_emulated (with force_gin)
   GinSupport gin = GinSupport::kNotBuilt;
   int nccl_version = 0;          // NCCL_VERSION_CODE, for messages
 };
@@ -70,6 +78,7 @@ struct TransportInputs {
 struct TransportPlan {
   std::vector<Transport> per_peer;  // by EP rank
   uint32_t gin_mask = 0;            // bit j: per_peer[j] == kGin
+  bool gin_emulated = false;        // those peers' GIN is emulated over NVLink
   std::string error;                // non-empty: some peer has no transport
 };
 
@@ -95,6 +104,8 @@ struct DeviceResources {
   bool devcomm_created = false;
   char* peer_base[kMaxRanks] = {};  // LSA-mapped window of every LSA-reached rank
   uint32_t gin_mask = 0;            // bit j: rank j is reached by GIN
+  bool gin_emulated = false;        // JAX_EP_TRANSPORT=gin_emulated (gin.cuh)
+  char* gin_emu_base[kMaxRanks] = {};  // emulated: every GIN peer's LSA-mapped window
   int lsa_team_size = 0;            // NCCL's LSA team of this rank, self included
   void* gin_dev = nullptr;          // cudaMalloc'ed GinComm when gin_mask != 0
   uint32_t* status_host = nullptr;  // cudaHostAlloc(mapped)

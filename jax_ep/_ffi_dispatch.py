@@ -47,17 +47,18 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   ok = op_area
   counts = _align16(ok + 8 * r)
   scratch_ints = 16 + r + e + (r + 1) + r + (e_l + 1) + e_l + e_l * r
-  scratch = _align16(counts + 8 * r * (2 + e_l))
+  counts_out = _align16(counts + 8 * r * (2 + e_l))  # GIN peers' staged counts
+  scratch = _align16(counts_out + 8 * r * (2 + e_l))
   rie = _align16(scratch + 4 * scratch_ints)
   recv = _align16(rie + 4 * t * k)
   payload = h * (1 if fp8 else x_bytes)
   scales_off = _align16(payload)
   meta_off = _align16(scales_off + 4 * (h // 128)) if fp8 else scales_off
   row = _align16(meta_off + 4 * (3 * k + 1))
-  dispatch_end = recv + 2 * r * t * row  # recv + copy-engine staging
+  dispatch_end = recv + 2 * r * t * row  # recv + staging (copy engine / GIN)
   # combine (both layouts)
   crow = _align16(h * y_bytes) + 16
-  crecv = _align16(op_area + 16 * r)
+  crecv = _align16(op_area + 24 * r)  # ok, sent, sent_out (GIN peers' staged sent words)
   combine_end = crecv + (max(t * k, r * t) + r * t) * crow  # recv + staging
   return max(dispatch_end, combine_end)
 

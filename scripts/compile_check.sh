@@ -20,23 +20,31 @@ for f in ffi/comm.cc ffi/handlers/*.cc ffi/kernels/*.cu; do
     echo "FAIL $f"; status=1
   fi
 done
-# The GIN helpers are templates and inline functions that no kernel calls
-# yet: instantiate them, with the GIN device API and (JAX_EP_HAVE_GIN=0)
+# The GIN helpers are inline functions: instantiate every one (the kernels
+# use most of them too), with the GIN device API and (JAX_EP_HAVE_GIN=0)
 # without it, so both branches are known to compile against these headers.
 GIN_TU=$(mktemp /tmp/jax_ep_gin_check.XXXXXX.cu)
 trap 'rm -f "$GIN_TU"' EXIT
 cat >"$GIN_TU" <<'CUEOF'
-#include "kernels/gin.cuh"
+#include "kernels/barrier.cuh"
+#include "kernels/gin_stage.cuh"
 __global__ void GinCheckKernel(jax_ep::EpPeers p, size_t off, size_t n, uint64_t want) {
   const uint32_t s = jax_ep::GinSignalId(p.rank, blockIdx.x);
   const int j = (p.rank + 1) % p.nranks;
   if ((p.gin_mask >> j) & 1u) {
     if (threadIdx.x == 0) {
       jax_ep::GinPutRange(p, jax_ep::Op::kDispatch, j, off, n, s);
+      jax_ep::GinPutQuiet(p, jax_ep::Op::kDispatch, j, off, off + n, n, s);
       jax_ep::GinFlush(p, s);
       jax_ep::GinWaitSignal(p, jax_ep::Op::kDispatch, s, want, j);
+      jax_ep::rank_barrier(p, jax_ep::Op::kCombine);
     }
-    if (threadIdx.x < 32) jax_ep::GinPutRangeWarp(p, jax_ep::Op::kCombine, j, off, n, s);
+    if (threadIdx.x < 32) {
+      jax_ep::GinPutRangeWarp(p, jax_ep::Op::kCombine, j, off, n, s);
+      jax_ep::GinPutWarp(p, jax_ep::Op::kCombine, j, off, off + n, n, s);
+      jax_ep::GinWaitSignalWarp(p, jax_ep::Op::kCombine, s, want, j, 0);
+      jax_ep::GinFlushWarp(p, 3u);
+    }
   }
 }
 #if JAX_EP_HAVE_GIN

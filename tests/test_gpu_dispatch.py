@@ -234,6 +234,12 @@ def test_gradients_through_dispatch_expert_matmul_combine_equal_reference(comm):
 
 
 def test_bad_expert_id_and_capacity_overflow_raise_then_next_call_works(comm):
+  check_errors_then_next_call_works(comm)
+
+
+def check_errors_then_next_call_works(comm):
+  """A bad expert id, then a capacity overflow, each raise; the next call
+  equals the reference (also used by test_gpu_gin_emulated)."""
   rng = np.random.default_rng(13)
   R, T, H, K, E = comm.num_ranks, 64, 256, 4, 16
   x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
@@ -260,13 +266,20 @@ def test_bad_expert_id_and_capacity_overflow_raise_then_next_call_works(comm):
 def test_thousand_repetitions_no_drift_no_hang(comm):
   """1000 back-to-back dispatch -> combine calls in one jitted loop all give
   the bits of the first call (equality with the reference is the matrix above)."""
+  check_repetitions_no_drift(comm, 1000)
+
+
+def check_repetitions_no_drift(comm, n: int, layout: str = "expert"):
+  """n back-to-back dispatch -> combine calls in one jitted loop all give the
+  bits of the first call."""
   rng = np.random.default_rng(17)
   R, T, H, K, E = comm.num_ranks, 128, 512, 8, 64
   x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
 
   def once(x, idx, w):
-    o = jax_ep.dispatch(x, idx, w, num_experts=E, layout="expert", backend="cuda")
-    return jax_ep.combine(o.recv_x, o.handle, o.recv_topk_weights, backend="cuda")
+    o = jax_ep.dispatch(x, idx, w, num_experts=E, layout=layout, backend="cuda")
+    return jax_ep.combine(o.recv_x, o.handle, o.recv_topk_weights if layout == "expert" else None,
+                          backend="cuda")
 
   def per_rank(x, idx, w):
     first = once(x, idx, w)
@@ -277,7 +290,7 @@ def test_thousand_repetitions_no_drift_no_hang(comm):
       same = jax.lax.bitcast_convert_type(out, jnp.uint16) == jax.lax.bitcast_convert_type(
           first, jnp.uint16)
       return bad + jnp.sum(~same, dtype=jnp.int32)
-    return jax.lax.fori_loop(0, 1000, body, jnp.sum(first * 0, dtype=jnp.int32)), first
+    return jax.lax.fori_loop(0, n, body, jnp.sum(first * 0, dtype=jnp.int32)), first
 
   f = h.per_rank_jit(comm.mesh, per_rank)
   bad, first = jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (x, idx, w))))

@@ -47,7 +47,7 @@ ffi::ErrorOr<std::unique_ptr<CommState>> InstantiateCommState(ffi::Dictionary at
 }
 
 ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal, const char* op,
-                         DeviceLease& lease) {
+                         DeviceLease& lease, bool gin_data_path) {
   if (state == nullptr || state->resources == nullptr) {
     return ffi::Error::Internal(std::string("jax_ep ") + op + ": missing communicator state");
   }
@@ -78,10 +78,11 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   // work goes onto a communicator in an unknown state.
   std::string msg = comm->TakeStatusMessage(*dev);
   if (!msg.empty()) return ffi::Error::Internal(msg);
-  // The ops' kernels still reach every peer through its LSA pointer, which a
-  // GIN peer does not have: refuse rather than write through a null one.
-  // Lift this per op once its kernels branch on EpPeers::gin_mask.
-  if (dev->gin_mask != 0) {
+  // Ops whose kernels reach every peer through its LSA pointer, which a GIN
+  // peer does not have, are refused rather than let write through a null
+  // one. Normal dispatch / combine (and so the low-latency ops built on
+  // them) branch on EpPeers::gin_mask wherever they touch a peer.
+  if (dev->gin_mask != 0 && !gin_data_path) {
     std::string peers;
     for (int j = 0; j < dev->nranks; ++j) {
       if ((dev->gin_mask >> j) & 1u) peers += (peers.empty() ? "" : ", ") + std::to_string(j);
@@ -191,17 +192,19 @@ void RegisterCudaBindings(nb::module_& m) {
           e["window_bytes"] = d.window_bytes;
           e["lsa_size"] = d.devcomm.lsaSize;
           e["gin_mask"] = d.gin_mask;
+          e["gin_emulated"] = d.gin_emulated;
           devices.append(e);
         }
         return devices;
       },
       nb::arg("comm_id"),
-      "Per local device: ordinal, rank, nranks, group, window_bytes, lsa_size, gin_mask.");
+      "Per local device: ordinal, rank, nranks, group, window_bytes, lsa_size, gin_mask, "
+      "gin_emulated.");
 
   m.def(
       "transport_plan",
       [](int rank, std::vector<int> lsa_member, bool force_gin, const std::string& gin,
-         int nccl_version) {
+         int nccl_version, bool emulate) {
         const int n = static_cast<int>(lsa_member.size());
         if (n < 1 || n > 32 || rank < 0 || rank >= n) {
           throw std::invalid_argument("need 1..32 ranks and 0 <= rank < len(lsa_member)");
@@ -209,7 +212,8 @@ void RegisterCudaBindings(nb::module_& m) {
         jax_ep::TransportInputs in;
         in.rank = rank;
         for (int member : lsa_member) in.lsa_member.push_back(member != 0);
-        in.force_gin = force_gin;
+        in.force_gin = force_gin || emulate;
+        in.emulate_gin = emulate;
         in.nccl_version = nccl_version;
         if (gin == "not_built") in.gin = jax_ep::GinSupport::kNotBuilt;
         else if (gin == "untested") in.gin = jax_ep::GinSupport::kUntested;
@@ -226,10 +230,11 @@ void RegisterCudaBindings(nb::module_& m) {
         return std::make_tuple(names, plan.gin_mask, plan.error);
       },
       nb::arg("rank"), nb::arg("lsa_member"), nb::arg("force_gin"), nb::arg("gin"),
-      nb::arg("nccl_version"),
+      nb::arg("nccl_version"), nb::arg("emulate") = false,
       "The per-peer transport choice made at create, as a pure function: "
       "(['self'|'lsa'|'gin' per rank], gin_mask, error message or ''). gin is one of "
-      "not_built, untested, no_device, rail_only, available.");
+      "not_built, untested, no_device, rail_only, available; emulate: "
+      "JAX_EP_TRANSPORT=gin_emulated (GIN carried over NVLink; implies force_gin).");
 
   m.def(
       "status_message",

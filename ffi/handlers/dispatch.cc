@@ -63,7 +63,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   constexpr const char* kOp = "dispatch";
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
   }
   const EpPeers peers = lease.dev->peers();
@@ -148,7 +148,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
                           ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = "combine";
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
   }
   const EpPeers peers = lease.dev->peers();

@@ -40,8 +40,10 @@ struct DeviceLease {
 // Checks that the state matches `comm_id`, that the communicator is open and
 // drives `device_ordinal`, and that no earlier kernel left an error in the
 // status word (the message names the op and cause). `op` names the caller.
+// Unless `gin_data_path` (the op's kernels branch on EpPeers::gin_mask
+// wherever they touch a peer), a communicator with GIN peers is refused.
 ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal,
-                         const char* op, DeviceLease& lease);
+                         const char* op, DeviceLease& lease, bool gin_data_path = false);
 
 // The part of every execute binding that is the same for all jax_ep targets:
 // stream, device ordinal, the shared state and the `comm_id` attribute, in

@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include "ep_copy.cuh"
+#include "gin_stage.cuh"
 #include "vec16.cuh"
 #include "ep_kernels.h"
 #include "window_layout.h"
@@ -37,6 +38,7 @@ struct CombineCfg {
   int has_w;
   int ce_rows;      // > 0: rows go back by copy engine (rank layout; ce_push.h)
   uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
+  int gin_rows;     // > 0: some peer is on GIN; its rows are chunked by this many (gin_stage.cuh)
 };
 
 struct CombineIO {
@@ -66,6 +68,7 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
   __shared__ int s_send[kMaxRanks];
   const int R = p.nranks, r = p.rank;
   ZeroChunkCounters(p, NumChunks(c.T, ChunkRows(c.T)));
+  GinSnapshotSignals(p, Op::kCombine);
   if (threadIdx.x == 0) {
     s_bad = 0;
     s_sum = 0;
@@ -97,8 +100,10 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
     if (bad) report_error(p, Op::kCombine, Cause::kBadIndex);
     const uint64_t tag = *p.epoch + 1;  // the epoch the barrier below uses
     for (int j = 0; j < R; ++j) {
-      uint64_t* slot = reinterpret_cast<uint64_t*>(p.base[j] + w.sent_off) + r;
-      StU64Volatile(slot, MakeTagged(tag, bad ? 0u : static_cast<uint32_t>(s_send[j])));
+      const uint64_t word = MakeTagged(tag, bad ? 0u : static_cast<uint32_t>(s_send[j]));
+      const size_t slot = w.sent_off + sizeof(uint64_t) * r;
+      if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + slot), word);
+      else PutControlWord(p, j, slot, w.sent_out_off + sizeof(uint64_t) * j, word, Op::kCombine);
     }
     PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), Op::kCombine);
   }
@@ -223,8 +228,9 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   __syncthreads();
   const bool ok = s_ok != 0;  // the same on every rank (start kernel)
   const int chunk = ChunkRows(c.T);  // of the source's positions (rank) / tokens (expert)
-  char* const lane_base = p.base[lane < R ? lane : 0];
+  char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
   char* const my = p.base[r];
+  const GinChunkGeometry geo{w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows};
   if (c.ce_rows > 0 && blockIdx.x == 0)
     MarkEmptyCeChunks(my, R, r, s_sends, c.ce_rows, NumChunks(c.T, c.ce_rows), c.ce_seq);
 
@@ -243,7 +249,8 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
 
   if (sender) {
     const int sw = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
-    const int nsw = send_blocks * kWarps;
+    int nsw = send_blocks * kWarps;
+    uint32_t gin_channels = 0;
     if (!c.expert) {
       int maxn = 0;
       for (int j = 0; j < R; ++j) if (j != r) maxn = max(maxn, s_prefix[j + 1] - s_prefix[j]);
@@ -257,6 +264,13 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
                            s_prefix[j] + pos);
             CountStaged(ChunkCounter(my, j, ch), static_cast<uint32_t>(min(c.ce_rows, s_sends[j] - ch * c.ce_rows)),
                         CeReady(my, j, ch), 1u << j, c.ce_seq);
+          } else if ((p.gin_mask >> j) & 1u) {
+            const int ch = pos / c.gin_rows;
+            SendCombineRow(c, w, io, my + w.stage_off + (static_cast<size_t>(j) * c.T + pos) * w.row_bytes,
+                           s_prefix[j] + pos);
+            GinCountStaged(p, Op::kCombine, geo, ChunkCounter(my, j, ch),
+                           static_cast<uint32_t>(min(c.gin_rows, s_sends[j] - ch * c.gin_rows)), ch, 1u << j,
+                           gin_channels);
           } else {
             char* const jbase = ShflPtr(lane_base, j);
             SendCombineRow(c, w, io, jbase + w.recv_off + (static_cast<size_t>(r) * c.T + pos) * w.row_bytes,
@@ -266,15 +280,33 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         }
       }
     } else {
-      for (int row = sw; row < c.C; row += nsw) {
+      // A row for a GIN source goes alone (its slot [t][k] is next to other
+      // ranks' slots), from this warp's own stage row, which it may only
+      // overwrite once the previous put has read it (GinFlushWarp). The
+      // stage area has R*T rows: at most that many warps send then.
+      if (p.gin_mask != 0) nsw = min(nsw, R * c.T);
+      for (int row = sw; sw < nsw && row < c.C; row += nsw) {
         const int s = io.src_rank[row];
         if (s < 0) continue;
         const int t = io.src_token[row], k = io.src_k[row];
+        const size_t slot = w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
+        if ((p.gin_mask >> s) & 1u) {
+          const size_t staged = w.stage_off + static_cast<size_t>(sw) * w.row_bytes;
+          GinFlushWarp(p, gin_channels);
+          gin_channels = 0;
+          SendCombineRow(c, w, io, my + staged, row);
+          __syncwarp();
+          const int ch = t / c.gin_rows;
+          GinPutWarp(p, Op::kCombine, s, slot, staged, w.row_bytes, GinSignalId(r, ch));
+          gin_channels |= 1u << ch;
+          continue;
+        }
         char* const sbase = ShflPtr(lane_base, s);
-        SendCombineRow(c, w, io, sbase + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes, row);
+        SendCombineRow(c, w, io, sbase + slot, row);
         CountRowsDone(ChunkCounter(sbase, r, t / chunk), 1u);
       }
     }
+    GinFlushWarp(p, gin_channels);
     return;
   }
 
@@ -305,11 +337,19 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       const int nch = NumChunks(c.T, chunk);
       for (int j = 0; j < R; ++j) {
         if (s_announced[j] <= 0) continue;
+        const bool gin = (p.gin_mask >> j) & 1u;
+        // GIN: one signal per chunk (rank layout) or per row (expert layout).
+        const int want = !gin ? s_announced[j] : c.expert ? s_announced[j] : NumChunks(s_announced[j], c.gin_rows);
         int got = 0;
-        while (got != s_announced[j]) {
+        while (got != want) {
           got = 0;
-          for (int ch = lane; ch < nch; ch += 32)
-            got += static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ChunkCounter(my, j, ch)));
+          if (gin) {
+            if (lane < kGinDataChannels)
+              got = static_cast<int>(GinReadSignal(p, Op::kCombine, GinSignalId(j, lane)) - GinExpected(p, j, lane, 0));
+          } else {
+            for (int ch = lane; ch < nch; ch += 32)
+              got += static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ChunkCounter(my, j, ch)));
+          }
           got = __reduce_add_sync(kFullMask, got);
           if (globaltimer_ns() - t0 > p.timeout_ns) {
             if (lane == 0) report_error(p, Op::kCombine, Cause::kPeerTimeout, static_cast<uint32_t>(j));
@@ -340,6 +380,9 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         const int pj = __shfl_sync(kFullMask, pos, j);
         if (c.ce_rows > 0) {
           alive = WaitChunk(p, CeArrived(my, j, pj / c.ce_rows), s_epoch, Op::kCombine, j, t0);
+        } else if ((p.gin_mask >> j) & 1u) {
+          const int ch = pj / c.gin_rows;
+          alive = GinWaitSignalWarp(p, Op::kCombine, GinSignalId(j, ch), GinExpected(p, j, ch, 1), j, t0);
         } else {
           const int ch = pj / chunk;
           const uint32_t expected = static_cast<uint32_t>(min(chunk, s_sent[j] - ch * chunk));
@@ -381,13 +424,23 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       need = __reduce_or_sync(kFullMask, need);
       for (unsigned m = need; m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
+        // A GIN source counts rows per GIN chunk of tokens, on that chunk's signal.
+        const bool gin = (p.gin_mask >> j) & 1u;
+        const int rows = gin ? c.gin_rows : chunk;
+        const int g0 = gin ? (t / rows) * rows : c0, g1 = gin ? min(c.T, g0 + rows) : c1;
         int cnt = 0;
-        for (int i = c0 * c.K + lane; i < c1 * c.K; i += 32) {
+        for (int i = g0 * c.K + lane; i < g1 * c.K; i += 32) {
           const int e = io.topk[i];
           cnt += (e >= 0 && e < c.E && e / El == j) ? 1 : 0;
         }
         cnt = __reduce_add_sync(kFullMask, cnt);
-        alive = WaitChunk(p, ChunkCounter(my, j, t / chunk), static_cast<uint32_t>(cnt), Op::kCombine, j, t0);
+        if (gin) {
+          const int ch = t / rows;
+          alive = GinWaitSignalWarp(p, Op::kCombine, GinSignalId(j, ch),
+                                    GinExpected(p, j, ch, static_cast<uint32_t>(cnt)), j, t0);
+        } else {
+          alive = WaitChunk(p, ChunkCounter(my, j, t / chunk), static_cast<uint32_t>(cnt), Op::kCombine, j, t0);
+        }
       }
       // Order by (expert id, k): expert id ascending = rank then local expert.
       const long long key = valid ? static_cast<long long>(id) * kMaxTopk + lane : -1;
@@ -467,6 +520,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
     c.ce_rows = CeChunkRows(c.T, CeCopies());
     c.ce_seq = ++ce->seq;
   }
+  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;  // (no copy engine then: UseCopyEngine)
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 

@@ -1,7 +1,7 @@
 // Device-side plumbing shared by every jax_ep kernel: the view of the
-// symmetric window that a kernel gets, the status word, and the cross-rank
-// barrier with a timeout. No NCCL types here, so kernels stay testable
-// against plain peer pointers.
+// symmetric window that a kernel gets and the status word. No NCCL types
+// here, so kernels stay testable against plain peer pointers. (The
+// cross-rank barrier, which may need GIN, is in barrier.cuh.)
 #pragma once
 
 #include <cstdint>
@@ -16,6 +16,10 @@ constexpr int kMaxRanks = 8;
 // Ops lay out their own data from kWindowHeaderBytes on.
 constexpr size_t kWindowHeaderBytes = 4096;
 constexpr size_t kBarrierFlagsOffset = 0;  // uint64_t[kMaxRanks]
+// JAX_EP_TRANSPORT=gin_emulated: the GIN signal counters that peers add to
+// (gin.cuh), u64 per signal id, in the upper half of the header. A real GIN
+// keeps its signals inside NCCL, so nothing is written here then.
+constexpr size_t kGinEmuSignalsOffset = 2048;
 
 // Status word: 0 = fine. Otherwise (op << 16) | (cause << 8) | detail.
 // The first error wins (atomicCAS from 0); the host reads it through
@@ -41,6 +45,15 @@ struct EpPeers {
   unsigned long long timeout_ns;  // give up waiting on a peer after this
   uint32_t gin_mask;              // bit j: rank j is reached by GIN, base[j] is null
   const void* gin;                // GIN state (gin.cuh's GinComm), null without GIN
+  // JAX_EP_TRANSPORT=gin_emulated: rank j's window, mapped over NVLink, for
+  // gin.cuh's emulated puts alone (base[j] stays null for a GIN peer, so a
+  // kernel that forgets to branch on gin_mask faults instead of passing).
+  // All null otherwise.
+  char* gin_emu[kMaxRanks];
+  bool gin_emulated;
+  // Device-local u64[kMaxRanks][kGinChannels]: this rank's signal values
+  // taken at the start of the current op (gin_stage.cuh), null without GIN.
+  unsigned long long* gin_snapshot;
 };
 
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
@@ -72,33 +85,6 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
   return v;
-}
-
-// Cross-rank barrier, called by ONE thread (after the caller has made its
-// CTA's / grid's writes visible). Every rank runs the same sequence of ops, so
-// the epoch counters agree. Returns false (and reports) on timeout.
-__device__ inline bool rank_barrier(const EpPeers& p, Op op) {
-  const uint64_t e = *p.epoch + 1;
-  *p.epoch = e;
-  // fence.sc.sys followed by relaxed stores is a release pattern for every
-  // flag: one MEMBAR.SYS instead of one per st.release.sys.
-  __threadfence_system();
-  for (int r = 0; r < p.nranks; ++r) st_relaxed_sys(barrier_flags(p, r) + p.rank, e);
-  const uint64_t* mine = barrier_flags(p, p.rank);
-  const unsigned long long t0 = globaltimer_ns();
-  // The status word is mapped host memory: one read is a PCIe round trip
-  // (~1 µs), so the spin looks at it only every 256 polls, not every poll.
-  unsigned polls = 0;
-  for (int r = 0; r < p.nranks; ++r) {
-    while (ld_acquire_sys(mine + r) < e) {
-      if ((++polls & 255u) == 0u && has_error(p)) return false;
-      if (globaltimer_ns() - t0 > p.timeout_ns) {
-        report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(r));
-        return false;
-      }
-    }
-  }
-  return true;
 }
 
 }  // namespace jax_ep

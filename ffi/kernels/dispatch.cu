@@ -26,6 +26,7 @@
 #include "ep_copy.cuh"
 #include "ep_kernels.h"
 #include "fp8.cuh"
+#include "gin_stage.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -56,6 +57,7 @@ struct DispatchCfg {
   int ue8m0;
   int ce_rows;      // > 0: remote rows go by copy engine in chunks of this many (ce_push.h)
   uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
+  int gin_rows;     // > 0: rows to GIN peers are staged and put in chunks of this many (gin_stage.cuh)
 };
 
 struct PushIO {
@@ -273,6 +275,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   // This op's chunk counters start from zero; the barrier below publishes
   // that before any peer can add (window_layout.h).
   ZeroChunkCounters(p, NumChunks(c.T, ChunkRows(c.T)));
+  GinSnapshotSignals(p, Op::kDispatch);
   __syncthreads();
   // The status word is mapped host memory (a PCIe round trip): another warp
   // reads it while thread 0 is in the start barrier, instead of before it.
@@ -299,15 +302,29 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
       } else {
         v = scratch[sc.entries_per_expert + j * El + (i - 2)];
       }
-      uint64_t* dst = reinterpret_cast<uint64_t*>(p.base[j] + w.counts_off) +
-                      static_cast<size_t>(r) * w.counts_stride + i;
-      StU64Volatile(dst, MakeTagged(s_tag, static_cast<uint32_t>(v)));
+      const uint64_t word = MakeTagged(s_tag, static_cast<uint32_t>(v));
+      if ((p.gin_mask >> j) & 1u) {
+        // Staged in my window; thread 0 puts each GIN peer's row below.
+        StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + w.counts_out_off) +
+                          static_cast<size_t>(j) * w.counts_stride + i, word);
+      } else {
+        StU64Volatile(reinterpret_cast<uint64_t*>(p.base[j] + w.counts_off) +
+                          static_cast<size_t>(r) * w.counts_stride + i, word);
+      }
     }
     __threadfence_system();  // each writer: its counts are visible before the barrier's release
   }
   __syncthreads();
   if (tid == 0) {
     __threadfence_system();
+    // GIN peers: my counts row for j, on the control channel ahead of the
+    // barrier signal that vouches for it.
+    for (int j = 0; j < R && !s_fail; ++j) {
+      if ((p.gin_mask >> j) & 1u)
+        GinPutQuiet(p, Op::kDispatch, j, w.counts_off + 8 * static_cast<size_t>(r) * w.counts_stride,
+                    w.counts_out_off + 8 * static_cast<size_t>(j) * w.counts_stride,
+                    8 * static_cast<size_t>(nslots), GinSignalId(r, kGinControlChannel));
+    }
     if (!rank_barrier(p, Op::kDispatch)) s_fail = 1;
   }
   __syncthreads();
@@ -685,11 +702,17 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
     // Indexing the by-value EpPeers with a runtime rank goes through local
     // memory; do it once per thread, then move pointers between lanes.
-    char* const lane_base = p.base[lane < R ? lane : 0];
+    char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
     const int jl = lane < R ? lane : 0;
-    char* const lane_rows = c.ce_rows > 0 ? my + w.stage_off + static_cast<size_t>(jl) * c.T * w.row_bytes
-                                          : lane_base + w.row(r, 0, c.T);
+    const bool gin_lane = lane < R && ((p.gin_mask >> lane) & 1u);
+    // Rows for a GIN peer (or all remote rows in copy-engine mode) are staged
+    // in my window; an LSA peer's go straight into its window.
+    char* const lane_rows = (c.ce_rows > 0 || gin_lane)
+                                ? my + w.stage_off + static_cast<size_t>(jl) * c.T * w.row_bytes
+                                : lane_base + w.row(r, 0, c.T);
     const int lane_sends = s_sends[jl];
+    const GinChunkGeometry geo{w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows};
+    uint32_t gin_channels = 0;
     for (int t = gwarp; t < c.T; t += send_blocks * kWarps) {
       const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
       unsigned dest = __ballot_sync(kFullMask, pos >= 0);
@@ -704,9 +727,18 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
                     static_cast<uint32_t>(min(c.ce_rows, lane_sends - ch * c.ce_rows)),
                     pos >= 0 ? CeReady(my, jl, ch) : nullptr, remote, c.ce_seq);
       } else {
-        CountRowsDone(pos >= 0 ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, remote);
+        const unsigned lsa = remote & ~p.gin_mask, gin = remote & p.gin_mask;
+        if (lsa != 0)
+          CountRowsDone(pos >= 0 && !gin_lane ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, lsa);
+        if (gin != 0) {
+          const int gch = pos >= 0 && gin_lane ? pos / c.gin_rows : 0;
+          GinCountStaged(p, Op::kDispatch, geo, pos >= 0 && gin_lane ? ChunkCounter(my, jl, gch) : nullptr,
+                         static_cast<uint32_t>(min(c.gin_rows, lane_sends - gch * c.gin_rows)), gch, gin,
+                         gin_channels);
+        }
       }
     }
+    GinFlushWarp(p, gin_channels);
   } else if (send_ok) {
     const int rwarp = gwarp - send_blocks * kWarps;
     const int nrw = gwarps - send_blocks * kWarps;
@@ -721,6 +753,9 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         if (pos >= n) continue;
         if (c.ce_rows > 0) {
           alive = WaitChunk(p, CeArrived(my, s, pos / c.ce_rows), s_epoch, Op::kDispatch, s, t0);
+        } else if ((p.gin_mask >> s) & 1u) {
+          const int ch = pos / c.gin_rows;
+          alive = GinWaitSignalWarp(p, Op::kDispatch, GinSignalId(s, ch), GinExpected(p, s, ch, 1), s, t0);
         } else {
           const int ch = pos / chunk;
           const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
@@ -837,6 +872,9 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
     c.ce_rows = CeChunkRows(c.T, CeCopies());
     c.ce_seq = ++ce->seq;
   }
+  // UseCopyEngine is false whenever some peer is on GIN, so the two stagings
+  // never meet.
+  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;
   PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};

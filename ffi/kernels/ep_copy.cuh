@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "barrier.cuh"
 #include "common.cuh"
+#include "gin.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -93,15 +95,33 @@ __device__ __forceinline__ int NthSetBit(unsigned mask, int n) {
   return __ffs(mask) - 1;
 }
 
+// A control word for rank j at window offset `off` (u64): LSA peers get a
+// store; a GIN peer gets a quiet put on the control channel from offset
+// `stage_off` of this rank's window, where the caller has written the same
+// word, so the next barrier signal vouches for it. One thread, before that
+// barrier; the caller fences (__threadfence_system) before the barrier.
+__device__ inline void PutControlWord(const EpPeers& p, int j, size_t off, size_t stage_off,
+                                      uint64_t word, Op op) {
+  if ((p.gin_mask >> j) & 1u) {
+    StU64Volatile(reinterpret_cast<uint64_t*>(p.base[p.rank] + stage_off), word);
+    __threadfence();
+    GinPutQuiet(p, op, j, off, stage_off, sizeof(uint64_t), GinSignalId(p.rank, kGinControlChannel));
+  } else {
+    StU64Volatile(reinterpret_cast<uint64_t*>(p.base[j] + off), word);
+  }
+}
+
 // Each rank writes (epoch-tag, ok) into every rank's ok[my rank], then a rank
 // barrier. Afterwards ok[s] in my window tells whether source s completed its
-// pushes of this op. One thread.
+// pushes of this op. One thread. (A GIN peer's copy goes out from my own
+// ok[my rank], which holds the same word.)
 __device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool ok, Op op) {
   const uint64_t tag = *p.epoch + 1;  // the epoch rank_barrier is about to use
-  for (int j = 0; j < p.nranks; ++j) {
-    uint64_t* slot = reinterpret_cast<uint64_t*>(p.base[j] + ok_off) + p.rank;
-    StU64Volatile(slot, MakeTagged(tag, ok ? 1u : 0u));
-  }
+  const uint64_t word = MakeTagged(tag, ok ? 1u : 0u);
+  const size_t slot = ok_off + sizeof(uint64_t) * p.rank;
+  StU64Volatile(reinterpret_cast<uint64_t*>(p.base[p.rank] + slot), word);
+  for (int j = 0; j < p.nranks; ++j)
+    if (j != p.rank) PutControlWord(p, j, slot, slot, word, op);
   __threadfence_system();
   rank_barrier(p, op);
 }

@@ -31,6 +31,8 @@
 //                             (t, k) entries, [2 + e] entries for local
 //                             expert e; tagged with the barrier epoch
 //                             (tag << 32 | value)
+//   counts_out u64[R][2 + E_l] GIN peers: my counts for rank j, staged here
+//                             for the put into rank j's counts[me]
 //   scratch i32[...]          this rank's own bookkeeping (never written by a
 //                             peer): DispatchScratch below
 //   rie     i32[T][K]         rank of (t, k) among this rank's entries that
@@ -38,9 +40,10 @@
 //   recv    rows[R][T]        row [s][p] = the p-th token of source s that
 //                             comes here; a source writes its own rows at
 //                             known offsets, so it needs nothing from us.
-//   stage   rows[R][T]        copy-engine mode: row [j][p] = my p-th token
-//                             for rank j, staged here for the copy engine,
-//                             which moves [j][0, T) to rank j's recv[me].
+//   stage   rows[R][T]        copy-engine mode and GIN peers: row [j][p] =
+//                             my p-th token for rank j, staged here for the
+//                             copy engine / GIN puts, which move [j][0, T)
+//                             to rank j's recv[me].
 // A dispatch row: payload (H * elem bytes, padded to 16), FP8 scales
 // (H/128 f32, padded to 16, only for FP8 payloads), then meta: ids[K] (local
 // expert id or -1, already converted by the sender for this destination),
@@ -49,10 +52,13 @@
 // Combine op area (from kOpAreaOffset on):
 //   ok      u64[R]            tagged "my handle checks out" word per source
 //   sent    u64[R]            per source: tagged number of rows it sends here
+//   sent_out u64[R]           GIN peers: my sent word for rank j, staged here
 //   recv    rows[R][T] (rank layout, slot [j][pos_in_rank[t, j]]) or
 //           rows[T][K] (expert layout, slot [t][k])
-//   stage   rows[R][T]        copy-engine mode (rank layout): row [s][p] = my
-//                             row for source s's slot [me][p]
+//   stage   rows[R][T]        copy-engine mode and GIN peers, rank layout: row
+//                             [s][p] = my row for source s's slot [me][p];
+//                             GIN peers, expert layout: one row per sending
+//                             warp, put to the slot [t][k] one at a time
 // A combine row: payload (H * y elem bytes, padded to 16), weight f32 padded
 // to 16.
 //
@@ -139,7 +145,7 @@ struct DispatchScratch {
 };
 
 struct DispatchWindow {
-  size_t ok_off, counts_off, scratch_off, rie_off, recv_off, stage_off;
+  size_t ok_off, counts_off, counts_out_off, scratch_off, rie_off, recv_off, stage_off;
   size_t payload_bytes;  // H * elem
   size_t scales_off;     // inside a row (FP8 only; == meta_off otherwise)
   size_t meta_off;       // inside a row
@@ -152,7 +158,8 @@ struct DispatchWindow {
     counts_stride = 2 + El;
     ok_off = kOpAreaOffset;
     counts_off = Align16(ok_off + 8 * static_cast<size_t>(R));
-    scratch_off = Align16(counts_off + 8 * static_cast<size_t>(R) * counts_stride);
+    counts_out_off = Align16(counts_off + 8 * static_cast<size_t>(R) * counts_stride);
+    scratch_off = Align16(counts_out_off + 8 * static_cast<size_t>(R) * counts_stride);
     rie_off = Align16(scratch_off + 4 * static_cast<size_t>(DispatchScratch(R, E).count));
     recv_off = Align16(rie_off + 4 * static_cast<size_t>(T) * K);
     payload_bytes = static_cast<size_t>(H) * elem_bytes;
@@ -168,13 +175,14 @@ struct DispatchWindow {
 };
 
 struct CombineWindow {
-  size_t ok_off, sent_off, recv_off, stage_off;
+  size_t ok_off, sent_off, sent_out_off, recv_off, stage_off;
   size_t payload_bytes, weight_off, row_bytes, end;
 
   JAX_EP_HD CombineWindow(int R, int T, int H, int K, int elem_bytes, bool expert_layout) {
     ok_off = kOpAreaOffset;
     sent_off = ok_off + 8 * static_cast<size_t>(R);
-    recv_off = Align16(sent_off + 8 * static_cast<size_t>(R));
+    sent_out_off = sent_off + 8 * static_cast<size_t>(R);
+    recv_off = Align16(sent_out_off + 8 * static_cast<size_t>(R));
     payload_bytes = static_cast<size_t>(H) * elem_bytes;
     weight_off = Align16(payload_bytes);
     row_bytes = weight_off + 16;

@@ -1,0 +1,55 @@
+// The cross-rank barrier every EP op passes before it touches a peer's
+// window and after its control exchange. LSA peers: a flag store into each
+// peer's window. GIN peers: a signal-only put on the control channel; its
+// count on the receiver is then the number of barriers that peer has entered,
+// i.e. its epoch, since signals and epochs both start at 0 at create and
+// every barrier (also a failing one) sends exactly one. The control words a
+// rank puts to a GIN peer just before (ep_copy.cuh) travel on the same
+// context, so the barrier signal vouches for them too.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "gin.cuh"
+
+namespace jax_ep {
+
+// Called by ONE thread (after the caller has made its CTA's / grid's writes
+// visible). Every rank runs the same sequence of ops, so the epoch counters
+// agree. Returns false (and reports) on timeout.
+__device__ inline bool rank_barrier(const EpPeers& p, Op op) {
+  const uint64_t e = *p.epoch + 1;
+  *p.epoch = e;
+  // fence.sc.sys followed by relaxed stores is a release pattern for every
+  // flag: one MEMBAR.SYS instead of one per st.release.sys.
+  __threadfence_system();
+  bool sent = true;
+  for (int r = 0; r < p.nranks; ++r) {
+    if ((p.gin_mask >> r) & 1u) {
+      sent &= GinPut(p, op, r, 0, 0, 0, GinSignalId(p.rank, kGinControlChannel));
+    } else {
+      st_relaxed_sys(barrier_flags(p, r) + p.rank, e);
+    }
+  }
+  if (!sent) return false;
+  const uint64_t* mine = barrier_flags(p, p.rank);
+  const unsigned long long t0 = globaltimer_ns();
+  // The status word is mapped host memory: one read is a PCIe round trip
+  // (~1 µs), so the spin looks at it only every 256 polls, not every poll.
+  unsigned polls = 0;
+  for (int r = 0; r < p.nranks; ++r) {
+    const bool gin = (p.gin_mask >> r) & 1u;
+    const uint32_t sig = GinSignalId(r, kGinControlChannel);
+    while (gin ? !GinReached(GinReadSignal(p, op, sig), e) : ld_acquire_sys(mine + r) < e) {
+      if ((++polls & 255u) == 0u && has_error(p)) return false;
+      if (globaltimer_ns() - t0 > p.timeout_ns) {
+        report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(r));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace jax_ep

@@ -41,8 +41,28 @@ def quantize(x: jax.Array, *, ue8m0: bool = False) -> tuple[jax.Array, jax.Array
   if ue8m0:
     s = ue8m0_round_up(s)
   inv = jnp.float32(1.0) / s
-  q = jnp.clip(xb * inv[..., None], -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
+  q = to_e4m3(jnp.clip(xb * inv[..., None], -E4M3_MAX, E4M3_MAX))
   return q.reshape(*lead, h), s
+
+
+def to_e4m3(v: jax.Array) -> jax.Array:
+  """float32 in [-448, 448] -> e4m3, rounded to nearest even, the same bits
+  on every backend.
+
+  XLA's own f32 -> e4m3 convert does not round every tie to even on GPU (a
+  subnormal tie, 3.5 * 2**-9, became 3 * 2**-9 there and 4 * 2**-9 on CPU and
+  in the kernels' cvt.rn), so the reference rounds explicitly: scaling by the
+  e4m3 quantum of v's binade (a power of two) is exact, as is jnp.round's
+  half-to-even, so the value handed to the convert is already an e4m3 number
+  and the convert has nothing left to round.
+  """
+  v = v.astype(jnp.float32)
+  biased = (lax.bitcast_convert_type(v, jnp.uint32) >> 23) & jnp.uint32(0xFF)
+  # Quantum 2**qe: 2**(e - 3) for normals (e >= -6), 2**-9 for subnormals.
+  qe = jnp.maximum(biased.astype(jnp.int32) - 127, -6) - 3
+  scale_down = lax.bitcast_convert_type(((127 - qe) << 23).astype(jnp.uint32), jnp.float32)
+  scale_up = lax.bitcast_convert_type(((127 + qe) << 23).astype(jnp.uint32), jnp.float32)
+  return (jnp.round(v * scale_down) * scale_up).astype(FP8_DTYPE)
 
 
 def dequantize(q: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:

@@ -84,6 +84,17 @@ def combine_via_normal(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arra
   # f32 is exact: the reference multiplies in f32 whatever the weights' dtype.
   o = dispatch(placeholder, topk_idx, topk_weights.astype(jnp.float32), num_experts=h.num_experts,
                axis_name=axis_name, layout="expert", capacity=cap, backend=backend)
-  rows = _grid_rows(o.counts, m, cap).reshape(-1)
-  packed = jnp.zeros((cap + 1, d), y.dtype).at[rows].set(y.reshape(-1, d), mode="drop")[:cap]
+  packed = ref._take_rows(y.reshape(-1, d), _packed_sources(o.counts, m, cap))
   return combine(packed, o.handle, o.recv_topk_weights, axis_name=axis_name, backend=backend)
+
+
+def _packed_sources(counts: jax.Array, m: int, capacity: int) -> jax.Array:
+  """[capacity] grid row (l * m + i) that packed row p comes from, -1 past the
+  last group: the inverse of _grid_rows. A gather of the few packed rows
+  instead of a scatter over the whole [E_l, m] grid (470 MB at the DESIGN
+  shape, where the scatter took ~3 ms on H200)."""
+  ends = jnp.cumsum(counts)
+  p = jnp.arange(capacity, dtype=jnp.int32)
+  l = jnp.searchsorted(ends, p, side="right").astype(jnp.int32)
+  start = jnp.take(ends - counts, jnp.minimum(l, counts.shape[0] - 1))
+  return jnp.where(l < counts.shape[0], l * m + (p - start), -1).astype(jnp.int32)

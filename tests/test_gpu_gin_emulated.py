@@ -30,7 +30,8 @@ pytestmark = [
 if _native.cuda_available():
   import gpu_helpers as h
   from test_gpu_dispatch import (_assert_same, _both, _inputs, _rows_fn,
-                                 check_errors_then_next_call_works, check_repetitions_no_drift)
+                                 check_errors_then_next_call_works,
+                                 check_expert_alignment_and_small_capacity, check_repetitions_no_drift)
 
 COMM_BYTES = 1 << 30
 
@@ -96,14 +97,7 @@ def test_gin_emulated_in_kernel_fp8_cast_bitwise_equal_reference(comm, layout):
 
 
 def test_gin_emulated_expert_alignment_and_small_capacity_bitwise(comm):
-  rng = np.random.default_rng(3)
-  R, T, H, K, E = comm.num_ranks, 64, 256, 4, 16
-  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
-  need = max(int(np.sum((idx // (E // R) == r) & (idx >= 0))) for r in range(R))
-  (oc, cc), (orf, cr) = _both(comm, E, "expert", False, _rows_fn, x, idx, w,
-                              expert_alignment=8, capacity=need + 8 * (E // R))
-  _assert_same((oc.recv_x, oc.counts, oc.handle), (orf.recv_x, orf.counts, orf.handle), "dispatch")
-  _assert_same(cc, cr, "combine")
+  check_expert_alignment_and_small_capacity(comm)
 
 
 def test_gin_emulated_errors_raise_then_next_call_works(comm):

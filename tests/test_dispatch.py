@@ -184,6 +184,28 @@ def test_fp8_quantisation_oracle_self_check():
         assert np.abs(q.astype(np.float32)).max() <= 448
 
 
+def test_fp8_reference_steps_round_like_ieee_numpy():
+    """The reference's own reciprocal and e4m3 rounding (which do not trust
+    XLA:GPU's division and convert) give numpy's IEEE bits: every e4m3 value,
+    every tie between two of them and its neighbours, and scales over the
+    whole range a finite input can produce."""
+    import ml_dtypes
+    from jax_ep import fp8
+    rng = np.random.default_rng(11)
+    s = np.concatenate([np.exp(rng.uniform(-16, 82, 200_000)),
+                        2.0 ** np.arange(-22, 119)]).astype(np.float32)
+    np.testing.assert_array_equal(bits(np.asarray(jax.jit(fp8.reciprocal_rn)(s))),
+                                  bits(np.float32(1) / s))
+    q = np.unique(np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32))
+    q = q[np.isfinite(q)]
+    ties = ((q[:-1].astype(np.float64) + q[1:]) / 2).astype(np.float32)
+    v = np.concatenate([q, ties, np.nextafter(ties, np.float32(np.inf)),
+                        np.nextafter(ties, np.float32(-np.inf)),
+                        np.clip(rng.standard_normal(100_000).astype(np.float32) * 50, -448, 448)])
+    np.testing.assert_array_equal(bits(np.asarray(jax.jit(fp8.to_e4m3)(v))),
+                                  bits(v.astype(ml_dtypes.float8_e4m3fn)))
+
+
 @pytest.mark.parametrize("layout", ["rank", "expert"])
 def test_explicit_capacity_exact_fit_keeps_every_row(layout):
     R, T, K, E, H = 4, 16, 2, 8, 128

@@ -26,7 +26,6 @@ Exits 2 (measuring nothing, writing nothing) without 2 GPUs or the CUDA build.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -156,12 +155,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
-  ap.add_argument("--quick", action="store_true", help="fewer iterations")
-  args = ap.parse_args(argv)
-  from bench_normal import measure_and_write
+  from bench_normal import measure_and_write, simple_args
+  args = simple_args(__doc__, argv)
   status, records, out = measure_and_write("bench_engram", "engram",
                                            lambda: run(Shape(), quick=args.quick), args.out)
   if status:

@@ -22,7 +22,6 @@ Exits 2 (measuring nothing, writing nothing) without 2 GPUs or the CUDA build.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -91,11 +90,7 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
-  ap.add_argument("--quick", action="store_true", help="fewer iterations")
-  args = ap.parse_args(argv)
+  args = bench_normal.simple_args(__doc__, argv)
   status, records, out = bench_normal.measure_and_write(
       "bench_low_latency", "low_latency", lambda: run(bench_normal.Shape(tokens=128), quick=args.quick),
       args.out)

@@ -148,6 +148,14 @@ def time_or_none(label: str, fn, args, quick: bool, max_iters: Optional[int] = N
     return None
 
 
+def simple_args(doc: str, argv=None) -> argparse.Namespace:
+  """--out / --quick, the options of the benchmark scripts that time one shape."""
+  ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
+  ap.add_argument("--quick", action="store_true", help="fewer iterations")
+  return ap.parse_args(argv)
+
+
 def measure_and_write(name: str, json_name: str, run_fn: Callable[[], list[dict]],
                       out_dir: str) -> tuple[int, list[dict], Optional[str]]:
   """The frame of a two-GPU benchmark script: (exit status, records, JSON

@@ -79,7 +79,8 @@ def reciprocal_rn(s: jax.Array) -> jax.Array:
   carry = q >> 24  # rounded up to 2**24
   exp = jnp.uint32(253) + carry - biased
   r = lax.bitcast_convert_type((exp << 23) | ((q >> carry) & jnp.uint32(0x7FFFFF)), jnp.float32)
-  # A power of two: m == 2**23 gives q == 2**24 before rounding; exact 2**(127 - e).
+  # A power of two (m == 2**23) breaks the division's rem < m start; its
+  # reciprocal is exact: 2**(127 - e).
   pow2 = lax.bitcast_convert_type((jnp.uint32(254) - biased) << 23, jnp.float32)
   r = jnp.where((bits & jnp.uint32(0x7FFFFF)) == 0, pow2, r)
   usable = (biased >= 1) & (biased <= 252)

@@ -33,14 +33,11 @@ __global__ void GinCheckKernel(jax_ep::EpPeers p, size_t off, size_t n, uint64_t
   const int j = (p.rank + 1) % p.nranks;
   if ((p.gin_mask >> j) & 1u) {
     if (threadIdx.x == 0) {
-      jax_ep::GinPutRange(p, jax_ep::Op::kDispatch, j, off, n, s);
+      jax_ep::GinPut(p, jax_ep::Op::kDispatch, j, off, off + n, n, s);
       jax_ep::GinPutQuiet(p, jax_ep::Op::kDispatch, j, off, off + n, n, s);
-      jax_ep::GinFlush(p, s);
-      jax_ep::GinWaitSignal(p, jax_ep::Op::kDispatch, s, want, j);
       jax_ep::rank_barrier(p, jax_ep::Op::kCombine);
     }
     if (threadIdx.x < 32) {
-      jax_ep::GinPutRangeWarp(p, jax_ep::Op::kCombine, j, off, n, s);
       jax_ep::GinPutWarp(p, jax_ep::Op::kCombine, j, off, off + n, n, s);
       jax_ep::GinWaitSignalWarp(p, jax_ep::Op::kCombine, s, want, j, 0);
       jax_ep::GinFlushWarp(p, 3u);

@@ -228,8 +228,8 @@ __device__ inline bool CheckedPut(const EpPeers& p, Op op, int peer, size_t dst_
 // written by this thread or by threads that synchronised with it first
 // (__syncthreads / a grid barrier): the put releases at device scope before
 // the network card reads them. The put is asynchronous: the source bytes must
-// not change until GinFlush(p, signal) by the same thread says the card has
-// read them (or until the peer has answered after its wait on the signal).
+// not change until a flush (GinFlushWarp) says the card has read them (or
+// until the peer has answered after its wait on the signal).
 // Returns false, with the status word set, when GIN cannot be used for that
 // peer, a range leaves the window or the signal is not one of jax_ep's.
 __device__ inline bool GinPut(const EpPeers& p, Op op, int peer, size_t dst_off, size_t src_off,
@@ -251,34 +251,11 @@ __device__ inline bool GinPutWarp(const EpPeers& p, Op op, int peer, size_t dst_
   return gin_detail::CheckedPut<true>(p, op, peer, dst_off, src_off, bytes, signal, true);
 }
 
-// Same-offset forms (source and destination at the same window offset).
-__device__ inline bool GinPutRange(const EpPeers& p, Op op, int peer, size_t off, size_t bytes,
-                                   uint32_t signal) {
-  return GinPut(p, op, peer, off, off, bytes, signal);
-}
-__device__ inline bool GinPutRangeWarp(const EpPeers& p, Op op, int peer, size_t off,
-                                       size_t bytes, uint32_t signal) {
-  return GinPutWarp(p, op, peer, off, off, bytes, signal);
-}
-
-// After it returns, the source bytes of every put this thread issued with
-// signal `signal` (and with any other signal of the same context) may be
-// overwritten. It says nothing about their arrival at the peer: the peer's
-// wait on the signal does. One thread. (Emulated puts are synchronous.)
-__device__ inline void GinFlush(const EpPeers& p, uint32_t signal) {
-#if JAX_EP_HAVE_GIN
-  if (p.gin_emulated || p.gin == nullptr) return;
-  const GinComm& g = gin_detail::Comm(p);
-  ncclGin gin(g.devcomm, GinContextOf(signal));
-  gin.flush(ncclCoopThread{});
-#else
-  (void)p;
-  (void)signal;
-#endif
-}
-
-// GinFlush for the puts a whole warp issued (GinPutWarp) on the channels in
-// `channels` (bit c: channel c). All 32 lanes.
+// After it returns, the source bytes of every put the warp issued
+// (GinPutWarp) on the channels in `channels` (bit c: channel c), and on any
+// other channel of the same contexts, may be overwritten. It says nothing
+// about their arrival at the peer: the peer's wait on the signal does.
+// All 32 lanes. (Emulated puts are synchronous.)
 __device__ inline void GinFlushWarp(const EpPeers& p, uint32_t channels) {
 #if JAX_EP_HAVE_GIN
   if (p.gin_emulated || p.gin == nullptr) return;
@@ -321,34 +298,14 @@ __device__ __forceinline__ bool GinReached(uint64_t value, uint64_t expected) {
 // Waits until this rank's signal `signal` has reached `expected`, i.e. until
 // the puts counted into it (by the peer `peer` that owns the signal, see
 // GinSignalId) have landed in this rank's window; their bytes are then
-// visible to this thread (acquire), and to the rest of the CTA after a
-// __syncthreads. Signals are never reset: they count every put since create,
-// so the caller knows the running total it expects.
-//
-// Same rules as rank_barrier: one thread; returns false after reporting
-// kPeerTimeout for `peer` when the signal does not get there within
-// p.timeout_ns, and false without reporting when another thread or rank has
-// already set the status word. Never spins forever.
-__device__ inline bool GinWaitSignal(const EpPeers& p, Op op, uint32_t signal, uint64_t expected,
-                                     int peer) {
-  if (!gin_detail::Usable(p, op, peer)) return false;
-  const unsigned long long t0 = globaltimer_ns();
-  unsigned polls = 0;
-  while (!GinReached(GinReadSignal(p, op, signal), expected)) {
-    if ((++polls & 255u) == 0u && has_error(p)) return false;
-    if (globaltimer_ns() - t0 > p.timeout_ns) {
-      report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(peer));
-      return false;
-    }
-  }
-  return true;
-}
-
-// Warp-wide form for the data kernels' receivers: lane 0 polls with a
-// back-off (hundreds of warps may wait at once), the status word is not
-// looked at (a receiver drains what its peers send even after failing on its
-// own, see ep_copy.cuh's WaitChunk), and the clock starts at t0. All 32
-// lanes; the result is the same on every lane.
+// visible to the warp (acquire). Signals are never reset: they count every
+// put since create, so the caller knows the running total it expects.
+// For the data kernels' receivers: lane 0 polls with a back-off (hundreds of
+// warps may wait at once), the status word is not looked at (a receiver
+// drains what its peers send even after failing on its own, see ep_copy.cuh's
+// WaitChunk), and the clock starts at t0. False after reporting kPeerTimeout
+// for `peer`; never spins forever. All 32 lanes; the result is the same on
+// every lane.
 __device__ inline bool GinWaitSignalWarp(const EpPeers& p, Op op, uint32_t signal,
                                          uint64_t expected, int peer, unsigned long long t0) {
   int ok = 1;

@@ -68,3 +68,25 @@ def probe_all_to_all_cuda(x: Array, *, comm_id: int) -> Array:
   # must stay a sequence of whole exchanges.
   return _call("jax_ep_probe_all_to_all", jax.ShapeDtypeStruct(x.shape, x.dtype))(
       x, comm_id=np.int64(comm_id))
+
+
+# Must match GgKind in ffi/kernels/grouped_gemm.h.
+GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD = 0, 1, 2
+
+
+def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
+                      out_shape: tuple[int, ...], out_dtype, group_stride: int = 0,
+                      num_sms: int = 0) -> Array:
+  """One grouped product on the tensor cores (ffi/kernels/grouped_gemm.h).
+
+  kind GG_FORWARD: a = x [M, H], b = w [G, H, F] -> [M, F];
+  GG_TRANS_W: a = dy [M, F], b = w [G, H, F] -> [M, H];
+  GG_WEIGHT_GRAD: a = x [M, H], b = dy [M, F] -> [G, H, F].
+  With group_stride S > 0, a (and a row output) is [G, S, .] and group g
+  is its first min(group_sizes[g], S) rows of slot g (the masked form).
+  group_sizes [G] int32 stays on the device.
+  """
+  # Each batch element is an independent product -> sequential calls.
+  return _call("jax_ep_grouped_gemm", jax.ShapeDtypeStruct(out_shape, out_dtype))(
+      a, b, group_sizes, kind=np.int32(kind), group_stride=np.int64(group_stride),
+      num_sms=np.int32(num_sms))

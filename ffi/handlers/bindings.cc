@@ -27,6 +27,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute);
 
 namespace jax_ep {
 
@@ -273,6 +274,9 @@ void RegisterCudaBindings(nb::module_& m) {
     d["jax_ep_engram_publish"] = Bundle(JaxEpEngramPublishExecute);
     d["jax_ep_engram_fetch"] = Bundle(JaxEpEngramFetchExecute);
     d["jax_ep_engram_publish_fetch"] = Bundle(JaxEpEngramPublishFetchExecute);
+    nb::dict stateless;  // needs no communicator: execute stage only
+    stateless["execute"] = HandlerCapsule(JaxEpGroupedGemmExecute);
+    d["jax_ep_grouped_gemm"] = stateless;
     return d;
   }, "FFI targets: name -> {'instantiate': capsule, 'execute': capsule}.");
 

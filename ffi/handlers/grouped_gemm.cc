@@ -1,0 +1,128 @@
+// FFI target "jax_ep_grouped_gemm": the expert GEMMs (docs/grouped_gemm.md).
+// Stateless: no communicator, only the stream, a scratch allocation for the
+// per-group arrays and CUTLASS's workspace, and the buffers.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "kernels/grouped_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_ep grouped_matmul: " + msg);
+}
+
+int DeviceSms(int ordinal) {
+  static std::array<int, 64> cache{};
+  if (ordinal < 0 || ordinal >= static_cast<int>(cache.size())) return 0;
+  if (cache[ordinal] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) == cudaSuccess) {
+      cache[ordinal] = n;
+    }
+  }
+  return cache[ordinal];
+}
+
+// a, b, out as grouped_gemm.h describes per kind. `a` may carry a leading
+// group axis (masked form: [G, S, .]); the handler sees its rows flat.
+ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
+                              ffi::ScratchAllocator scratch, int32_t kind, int64_t group_stride,
+                              int32_t num_sms, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  if (a.element_type() != ffi::DataType::BF16 || b.element_type() != ffi::DataType::BF16) {
+    return Invalid("operands must be bf16");
+  }
+  GroupedGemmArgs g;
+  if (kind < 0 || kind > 2) return Invalid("unknown kind " + std::to_string(kind));
+  g.kind = static_cast<GgKind>(kind);
+  const ffi::DataType od = out->element_type();
+  if (od != ffi::DataType::BF16 && !(od == ffi::DataType::F32 && g.kind == GgKind::kForward)) {
+    return Invalid("output must be bf16 (or f32 for the forward product)");
+  }
+  g.out_dtype = od == ffi::DataType::F32 ? GgOut::kF32 : GgOut::kBF16;
+  const auto ad = a.dimensions();
+  const auto bd = b.dimensions();
+  if (ad.size() < 2) return Invalid("lhs must have rank >= 2");
+  g.num_groups = static_cast<int>(group_sizes.element_count());
+  g.rows = static_cast<int64_t>(a.element_count()) / ad.back();
+  switch (g.kind) {
+    case GgKind::kForward:
+    case GgKind::kTransW:
+      if (bd.size() != 3 || bd[0] != g.num_groups) return Invalid("rhs must be [G, H, F]");
+      g.h = bd[1];
+      g.f = bd[2];
+      if (ad.back() != (g.kind == GgKind::kForward ? g.h : g.f)) {
+        return Invalid("lhs width does not match the weights");
+      }
+      break;
+    case GgKind::kWeightGrad:
+      if (bd.size() < 2 || static_cast<int64_t>(b.element_count()) / bd.back() != g.rows) {
+        return Invalid("weight gradient: x and dy must have the same rows");
+      }
+      g.h = ad.back();
+      g.f = bd.back();
+      break;
+  }
+  if (g.h % 8 != 0 || g.f % 8 != 0) return Invalid("H and F must be multiples of 8");
+  if (g.rows >= (int64_t{1} << 31) || g.h >= (int64_t{1} << 31) || g.f >= (int64_t{1} << 31)) {
+    return Invalid("dimensions must be below 2^31");
+  }
+  if (group_stride < 0 || (group_stride > 0 && group_stride * g.num_groups != g.rows)) {
+    return Invalid("masked form: lhs must be [G, S, .] with S = group_stride");
+  }
+  g.group_stride = group_stride;
+  const int64_t out_elems = g.kind == GgKind::kWeightGrad ? g.num_groups * g.h * g.f
+                            : g.rows * (g.kind == GgKind::kForward ? g.f : g.h);
+  if (static_cast<int64_t>(out->element_count()) != out_elems) {
+    return Invalid("output shape does not match the operands");
+  }
+  g.a = a.untyped_data();
+  g.b = b.untyped_data();
+  g.out = out->untyped_data();
+  g.group_sizes = group_sizes.typed_data();
+  if (out_elems == 0) return ffi::Error::Success();
+  if (g.num_groups == 0) {
+    cudaError_t err = cudaMemsetAsync(g.out, 0, out->size_bytes(), stream);
+    return err == cudaSuccess ? ffi::Error::Success()
+                              : ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") +
+                                                     cudaGetErrorString(err));
+  }
+  int sms = DeviceSms(device_ordinal);
+  if (sms <= 0) return ffi::Error::Internal("jax_ep grouped_matmul: cannot read the SM count");
+  if (num_sms > 0 && num_sms < sms) sms = num_sms;
+  const size_t need = GroupedGemmScratchBytes(g, sms);
+  std::optional<void*> buf = scratch.Allocate(need, 256);
+  if (!buf.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jax_ep grouped_matmul: no scratch memory for " + std::to_string(need) +
+                          " bytes");
+  }
+  if (const char* err = LaunchGroupedGemm(g, *buf, need, sms, stream)) {
+    return ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") + err);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute, jax_ep::GroupedGemmExecute,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int64_t>("group_stride")
+                                  .Attr<int32_t>("num_sms")
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>());

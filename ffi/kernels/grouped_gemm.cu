@@ -1,0 +1,26 @@
+// Grouped GEMM: picks the instance for the product asked for
+// (grouped_gemm.h). No CUTLASS here.
+#include "kernels/grouped_gemm.h"
+
+namespace jax_ep {
+
+size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
+  switch (args.kind) {
+    case GgKind::kForward: return GgScratchForward(args, sms);
+    case GgKind::kTransW: return GgScratchTransW(args, sms);
+    case GgKind::kWeightGrad: return GgScratchWeightGrad(args, sms);
+  }
+  return 0;
+}
+
+const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes,
+                              int sms, cudaStream_t stream) {
+  switch (args.kind) {
+    case GgKind::kForward: return GgRunForward(args, scratch, scratch_bytes, sms, stream);
+    case GgKind::kTransW: return GgRunTransW(args, scratch, scratch_bytes, sms, stream);
+    case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, scratch_bytes, sms, stream);
+  }
+  return "unknown grouped GEMM kind";
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,248 @@
+// The grouped GEMM's device side (docs/grouped_gemm.md), included only by
+// the grouped_gemm_<kind>.cu instance files: a CUTLASS 3 ptr-array grouped
+// kernel for Hopper (TMA loads, warp-specialised cooperative consumers,
+// wgmma), fed by a prep kernel that turns the device-resident group sizes
+// into per-group shapes, pointers and strides.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "kernels/grouped_gemm.h"
+
+namespace jax_ep::gg {
+
+using Problem = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using ProblemMNK = Problem::UnderlyingProblemShape;
+using Bf16 = cutlass::bfloat16_t;
+
+// 128-row tiles: expert groups are a few hundred rows and rarely a multiple
+// of 256, so a 256-row tile would waste up to half its second pass. Two CTAs
+// along M form a cluster and share each weight tile through TMA multicast:
+// the weights (29 MB per expert at 7168 x 2048) are the bytes that matter.
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+
+template <class LayoutA, class LayoutB, class ElementD>
+struct Config {
+  static constexpr int kAlignIn = 16 / sizeof(Bf16);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor*, kAlignD,  // no C operand
+      ElementD, cutlass::layout::RowMajor*, kAlignD,
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignIn, Bf16,
+      LayoutB*, kAlignIn, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Problem, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using D = ElementD;
+};
+
+// The per-group arrays the grouped kernel reads, carved from one scratch
+// allocation in this order, each 256-aligned; CUTLASS's workspace follows.
+template <class C>
+struct Arrays {
+  ProblemMNK* shapes;
+  const Bf16** a;
+  const Bf16** b;
+  typename C::D** d;
+  typename C::StrideA* sa;
+  typename C::StrideB* sb;
+  typename C::StrideD* sd;
+  int32_t* sizes;  // effective (clamped) rows per group
+  int64_t* total;  // rows covered by the groups (contiguous form)
+  void* workspace;
+
+  static size_t Align(size_t n) { return (n + 255) & ~size_t{255}; }
+  static size_t ArraysBytes(int g) {
+    return Align(sizeof(ProblemMNK) * g) + 3 * Align(sizeof(void*) * g) +
+           Align(sizeof(typename C::StrideA) * g) + Align(sizeof(typename C::StrideB) * g) +
+           Align(sizeof(typename C::StrideD) * g) + Align(sizeof(int32_t) * g) +
+           Align(sizeof(int64_t));
+  }
+  static Arrays Carve(void* base, int g) {
+    char* p = static_cast<char*>(base);
+    Arrays r;
+    auto take = [&](size_t n) {
+      char* q = p;
+      p += Align(n);
+      return q;
+    };
+    r.shapes = reinterpret_cast<ProblemMNK*>(take(sizeof(ProblemMNK) * g));
+    r.a = reinterpret_cast<const Bf16**>(take(sizeof(void*) * g));
+    r.b = reinterpret_cast<const Bf16**>(take(sizeof(void*) * g));
+    r.d = reinterpret_cast<typename C::D**>(take(sizeof(void*) * g));
+    r.sa = reinterpret_cast<typename C::StrideA*>(take(sizeof(typename C::StrideA) * g));
+    r.sb = reinterpret_cast<typename C::StrideB*>(take(sizeof(typename C::StrideB) * g));
+    r.sd = reinterpret_cast<typename C::StrideD*>(take(sizeof(typename C::StrideD) * g));
+    r.sizes = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * g));
+    r.total = reinterpret_cast<int64_t*>(take(sizeof(int64_t)));
+    r.workspace = p;
+    return r;
+  }
+};
+
+constexpr int kPrepThreads = 256;
+
+// One block: scans the group sizes and writes every group's problem. Sizes
+// are clamped so that no group reaches past `rows` (or past its slot in the
+// masked form): the kernels never touch memory outside the buffers.
+template <class C, GgKind kKind>
+__global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args, Arrays<C> arr) {
+  using Scan = cub::BlockScan<int64_t, kPrepThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int64_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  const Bf16* a = static_cast<const Bf16*>(args.a);
+  const Bf16* b = static_cast<const Bf16*>(args.b);
+  auto* out = static_cast<typename C::D*>(args.out);
+  const int64_t H = args.h, F = args.f;
+  for (int base = 0; base < args.num_groups; base += kPrepThreads) {
+    const int g = base + threadIdx.x;
+    const bool live = g < args.num_groups;
+    int64_t want = live ? args.group_sizes[g] : 0;
+    if (want < 0) want = 0;
+    if (args.group_stride > 0) want = want < args.group_stride ? want : args.group_stride;
+    int64_t start = 0, chunk_total = 0;
+    Scan(scan_tmp).ExclusiveSum(want, start, chunk_total);
+    if (args.group_stride > 0) {
+      start = static_cast<int64_t>(g) * args.group_stride;
+    } else {
+      start += carry;
+    }
+    int64_t rows = 0;
+    if (start < args.rows) rows = want < args.rows - start ? want : args.rows - start;
+    const int m = static_cast<int>(rows);
+    if (live) {
+      arr.sizes[g] = m;
+      if constexpr (kKind == GgKind::kForward) {
+        arr.shapes[g] = ProblemMNK(m, static_cast<int>(F), static_cast<int>(H));
+        arr.a[g] = a + start * H;
+        arr.b[g] = b + g * H * F;
+        arr.d[g] = out + start * F;
+        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, int(H), 1});
+        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(F), int(H), 1});
+        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, int(F), 1});
+      } else if constexpr (kKind == GgKind::kTransW) {
+        arr.shapes[g] = ProblemMNK(m, static_cast<int>(H), static_cast<int>(F));
+        arr.a[g] = a + start * F;
+        arr.b[g] = b + g * H * F;
+        arr.d[g] = out + start * H;
+        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, int(F), 1});
+        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(H), int(F), 1});
+        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, int(H), 1});
+      } else {
+        // K = m. A group with no rows gets no tiles (M = 0): CUTLASS leaves
+        // the accumulators uninitialised when K is 0, so ZeroEmptyGroups
+        // writes its zeros instead.
+        arr.shapes[g] = ProblemMNK(m > 0 ? static_cast<int>(H) : 0, static_cast<int>(F), m);
+        arr.a[g] = a + start * H;
+        arr.b[g] = b + start * F;
+        arr.d[g] = out + g * H * F;
+        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {int(H), m, 1});
+        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(F), m, 1});
+        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {int(H), int(F), 1});
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry += chunk_total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int64_t t = carry < args.rows ? carry : args.rows;
+    *arr.total = args.group_stride > 0 ? args.rows : t;
+  }
+}
+
+// Row outputs past the last group (contiguous form) are zeros, as
+// lax.ragged_dot gives. 16-byte stores; row widths are multiples of 16 B.
+__global__ void ZeroTailRows(uint4* out, int64_t row_vecs, int64_t rows, const int64_t* total) {
+  const int64_t begin = *total * row_vecs;
+  const int64_t end = rows * row_vecs;
+  for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < end;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Weight-gradient groups that received no rows are zeros.
+__global__ void ZeroEmptyGroups(uint4* out, int64_t group_vecs, const int32_t* sizes) {
+  if (sizes[blockIdx.y] > 0) return;
+  uint4* o = out + blockIdx.y * group_vecs;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < group_vecs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    o[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <class C>
+typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arrays<C>& arr,
+                                          int sms) {
+  cutlass::KernelHardwareInfo hw;
+  cudaGetDevice(&hw.device_id);
+  hw.sm_count = sms;
+  typename C::Gemm::Arguments g{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {args.num_groups, arr.shapes, nullptr},
+      {arr.a, arr.sa, arr.b, arr.sb},
+      {{}, nullptr, nullptr, arr.d, arr.sd},
+      hw};
+  g.epilogue.thread.alpha = 1.0f;
+  g.epilogue.thread.beta = 0.0f;
+  return g;
+}
+
+template <class C>
+size_t ScratchBytes(const GroupedGemmArgs& args, int sms) {
+  const Arrays<C> fake = Arrays<C>::Carve(nullptr, args.num_groups);
+  return Arrays<C>::ArraysBytes(args.num_groups) +
+         C::Gemm::get_workspace_size(MakeArguments<C>(args, fake, sms));
+}
+
+template <class C, GgKind kKind>
+const char* Run(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes, int sms,
+                cudaStream_t stream) {
+  if (scratch_bytes < ScratchBytes<C>(args, sms)) return "scratch smaller than the op needs";
+  const Arrays<C> arr = Arrays<C>::Carve(scratch, args.num_groups);
+  PrepGroups<C, kKind><<<1, kPrepThreads, 0, stream>>>(args, arr);
+  if (cudaGetLastError() != cudaSuccess) return "prep kernel launch failed";
+  constexpr int kZeroThreads = 256;
+  if constexpr (kKind == GgKind::kWeightGrad) {
+    const int64_t group_vecs = args.h * args.f * int64_t(sizeof(typename C::D)) / 16;
+    dim3 grid(64, args.num_groups);
+    ZeroEmptyGroups<<<grid, kZeroThreads, 0, stream>>>(static_cast<uint4*>(args.out), group_vecs,
+                                                     arr.sizes);
+  } else if (args.group_stride == 0) {
+    const int64_t width = kKind == GgKind::kForward ? args.f : args.h;
+    const int64_t row_vecs = width * int64_t(sizeof(typename C::D)) / 16;
+    ZeroTailRows<<<2 * sms, kZeroThreads, 0, stream>>>(static_cast<uint4*>(args.out), row_vecs,
+                                                      args.rows, arr.total);
+  }
+  if (cudaGetLastError() != cudaSuccess) return "zero-fill kernel launch failed";
+  typename C::Gemm gemm;
+  const auto g = MakeArguments<C>(args, arr, sms);
+  if (gemm.initialize(g, arr.workspace, stream) != cutlass::Status::kSuccess) {
+    return "CUTLASS grouped GEMM initialize failed";
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS grouped GEMM launch failed";
+  return nullptr;
+}
+
+}  // namespace jax_ep::gg

@@ -1,0 +1,21 @@
+// Grouped GEMM instance: dw, out[g][H, F] = x[rows_g, H]^T @ dy[rows_g, F]
+// (A = x^T is M-major, CUTLASS's column-major A; B row-major), bf16 output.
+// K is the group's row count, any value; empty groups are zero-filled.
+#include "kernels/grouped_gemm.cuh"
+
+namespace jax_ep {
+namespace {
+using Cfg = gg::Config<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
+                       cutlass::bfloat16_t>;
+}  // namespace
+
+size_t GgScratchWeightGrad(const GroupedGemmArgs& a, int sms) {
+  return gg::ScratchBytes<Cfg>(a, sms);
+}
+
+const char* GgRunWeightGrad(const GroupedGemmArgs& a, void* s, size_t n, int sms,
+                            cudaStream_t st) {
+  return gg::Run<Cfg, GgKind::kWeightGrad>(a, s, n, sms, st);
+}
+
+}  // namespace jax_ep

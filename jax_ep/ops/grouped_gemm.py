@@ -1,0 +1,189 @@
+"""Grouped GEMM: the expert matmuls that consume dispatch's expert layout.
+
+`grouped_matmul(x, w, group_sizes)` multiplies contiguous row groups of
+`x [M, H]` by one weight matrix each, `w [G, H, F]`; `masked_grouped_matmul`
+does the same over the low-latency grid `[G, S, H]` with per-group counts.
+Group sizes stay on the device: shapes are static, nothing syncs with the
+host, so both run under `jit` and inside `shard_map`.
+
+On NVIDIA GPUs (jax_ep built with CUDA) bf16 operands run on a CUTLASS
+Hopper grouped kernel (ffi/kernels/grouped_gemm.cuh); everywhere else, and
+for other dtypes, the reference is `lax.ragged_dot` (contiguous) or a masked
+batched einsum. Gradients are grouped GEMMs too: dx = dy @ w[g]^T per group,
+dw[g] = x_g^T @ dy_g. Design notes: docs/grouped_gemm.md.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ep import _ffi, _native
+from jax_ep.ops._backend import _varying_axes
+
+Array = jax.Array
+
+_BACKENDS = (None, "auto", "reference", "cuda")
+
+
+def _check(x: Array, w: Array, group_sizes: Array, *, masked: bool, out_dtype,
+           backend: Optional[str]) -> None:
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+  want = 3 if masked else 2
+  if x.ndim != want:
+    shape = "[G, S, H]" if masked else "[M, H]"
+    raise ValueError(f"x must be {shape}, got shape {list(x.shape)}")
+  if w.ndim != 3:
+    raise ValueError(f"w must be [G, H, F], got shape {list(w.shape)}")
+  g, h, _ = w.shape
+  if x.shape[-1] != h:
+    raise ValueError(f"x's last dim {x.shape[-1]} must equal w's H = {h}")
+  if masked and x.shape[0] != g:
+    raise ValueError(f"x has {x.shape[0]} groups but w has {g}")
+  if group_sizes.shape != (g,):
+    raise ValueError(f"group_sizes must be [G] = [{g}], got shape {list(group_sizes.shape)}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integer, got {group_sizes.dtype}")
+  if out_dtype is not None and jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16),
+                                                           jnp.dtype(jnp.float32),
+                                                           jnp.dtype(x.dtype)):
+    raise ValueError(f"out_dtype must be bf16, f32 or x's dtype, got {out_dtype}")
+
+
+def _kernel_ok(x: Array, w: Array, out_dtype) -> bool:
+  """Whether the CUDA kernel takes these operands (else the reference)."""
+  h, f = w.shape[1], w.shape[2]
+  return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and h % 8 == 0 and f % 8 == 0
+          and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
+
+
+def _match_vma(out: Array, *ins: Array) -> Array:
+  """Gives the custom call's output the varying axes of its inputs, as the
+  reference's output has, so both backends type-check under check_vma."""
+  axes = frozenset().union(*(_varying_axes(a) for a in ins)) - _varying_axes(out)
+  if not axes:
+    return out
+  if hasattr(lax, "pcast"):
+    return lax.pcast(out, tuple(axes), to="varying")
+  return lax.pvary(out, tuple(axes))
+
+
+# --- the CUDA path: three kernels tied together by custom_vjp -------------
+
+
+def _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms):
+  rows_shape = x.shape[:-1]
+  out = _ffi.grouped_gemm_cuda(x, w, sizes, kind=_ffi.GG_FORWARD,
+                               out_shape=(*rows_shape, w.shape[2]), out_dtype=out_dtype,
+                               group_stride=stride, num_sms=num_sms)
+  return _match_vma(out, x, w, sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_cuda(x, w, sizes, out_dtype, stride, num_sms):
+  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms)
+
+
+def _grouped_cuda_fwd(x, w, sizes, out_dtype, stride, num_sms):
+  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms), (x, w, sizes)
+
+
+def _grouped_cuda_bwd(out_dtype, stride, num_sms, res, dy):
+  x, w, sizes = res
+  # The backward kernels take bf16 operands: an f32 cotangent is rounded to
+  # bf16 (the precision of the forward's operands).
+  dy = dy.astype(jnp.bfloat16)
+  dx = _ffi.grouped_gemm_cuda(dy, w, sizes, kind=_ffi.GG_TRANS_W, out_shape=x.shape,
+                              out_dtype=jnp.bfloat16, group_stride=stride, num_sms=num_sms)
+  dw = _ffi.grouped_gemm_cuda(x, dy, sizes, kind=_ffi.GG_WEIGHT_GRAD, out_shape=w.shape,
+                              out_dtype=jnp.bfloat16, group_stride=stride, num_sms=num_sms)
+  return _match_vma(dx, x), _match_vma(dw, w), None
+
+
+_grouped_cuda.defvjp(_grouped_cuda_fwd, _grouped_cuda_bwd)
+
+
+# --- the reference path ----------------------------------------------------
+
+
+def _ragged_reference(x, w, sizes, out_dtype):
+  return lax.ragged_dot(x, w, sizes.astype(jnp.int32),
+                        preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def _masked_reference(x, w, counts, out_dtype):
+  """Rows at or past counts[g] are zeros (and never reach the product)."""
+  rows = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :, None]
+  valid = rows < jnp.clip(counts.astype(jnp.int32), 0, x.shape[1])[:, None, None]
+  xm = jnp.where(valid, x, jnp.zeros((), x.dtype))
+  out = jnp.einsum("gsh,ghf->gsf", xm, w, preferred_element_type=jnp.float32)
+  return jnp.where(valid, out, 0).astype(out_dtype)
+
+
+def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference):
+  if out_dtype is None:
+    out_dtype = x.dtype
+  out_dtype = jnp.dtype(out_dtype)
+  sizes = sizes.astype(jnp.int32)
+  ref = functools.partial(reference, out_dtype=out_dtype)
+  use_kernel = _native.cuda_built() and _kernel_ok(x, w, out_dtype)
+  if backend == "reference" or (backend in (None, "auto") and not use_kernel):
+    return ref(x, w, sizes)
+  if backend == "cuda":
+    if not _native.cuda_built():
+      raise ValueError("backend='cuda': jax_ep was built without its CUDA kernels")
+    if not _kernel_ok(x, w, out_dtype):
+      raise ValueError("backend='cuda': the grouped GEMM kernel takes bf16 x and w with H and F "
+                       f"multiples of 8 and a bf16/f32 output; got x {x.dtype}, w {w.dtype} "
+                       f"{list(w.shape)}, out {out_dtype}")
+  kernel = lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, num_sms or 0)
+  if backend == "cuda":
+    return kernel(x, w, sizes)
+  return lax.platform_dependent(x, w, sizes, default=ref, cuda=kernel)
+
+
+def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
+                   backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
+  """out[rows of group g] = x[rows of group g] @ w[g], groups contiguous.
+
+  Args:
+    x: [M, H]. Group g is rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])),
+      as dispatch's expert layout lays them out; rows past the last group give
+      zeros. Sizes must be >= 0 with sum <= M: the kernel clamps to that, so it
+      never reads or writes outside the buffers.
+    w: [G, H, F].
+    group_sizes: [G] integers, read on the device (dispatch's `counts`).
+    out_dtype: bf16 or f32 (default: x's dtype); f32 accumulation either way.
+    backend: None (kernel on CUDA for bf16 operands, else `lax.ragged_dot`),
+      "reference" or "cuda".
+    num_sms: SMs the kernel may use (default all), e.g. to leave room for
+      communication running beside it.
+  Returns:
+    [M, F] in out_dtype.
+  """
+  _check(x, w, group_sizes, masked=False, out_dtype=out_dtype, backend=backend)
+  return _run(x, w, group_sizes, out_dtype=out_dtype, stride=0, backend=backend,
+              num_sms=num_sms, reference=_ragged_reference)
+
+
+def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,
+                          backend: Optional[str] = None,
+                          num_sms: Optional[int] = None) -> Array:
+  """out[g, :counts[g]] = x[g, :counts[g]] @ w[g] over the low-latency grid.
+
+  Args:
+    x: [G, S, H] (low_latency_dispatch's `recv_x`, S = R * max_tokens). Only
+      the first counts[g] rows of group g are read: the rest may hold anything.
+    w: [G, H, F].
+    counts: [G] integers (low_latency_dispatch's `recv_count`), on the device.
+  Returns:
+    [G, S, F]; rows at or past counts[g] are unspecified on the kernel path
+    (zeros on the reference), as the low-latency contract has it.
+  """
+  _check(x, w, counts, masked=True, out_dtype=out_dtype, backend=backend)
+  return _run(x, w, counts, out_dtype=out_dtype, stride=x.shape[1], backend=backend,
+              num_sms=num_sms, reference=_masked_reference)

@@ -14,7 +14,8 @@ BENCH = os.path.join(os.path.dirname(HERE), "benchmarks")
 
 
 @pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="would run the benchmark")
-@pytest.mark.parametrize("name", ["bench_normal", "bench_engram", "bench_low_latency", "profile_normal"])
+@pytest.mark.parametrize("name", ["bench_normal", "bench_engram", "bench_low_latency", "profile_normal",
+                                  "bench_grouped_gemm"])
 def test_benchmark_exits_2_without_gpus(name, tmp_path):
   sys.path.insert(0, BENCH)
   try:

@@ -171,6 +171,9 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
   }
 }
 
+// Internal linkage: every instance file carries its own copy of the fills.
+namespace {
+
 // Row outputs past the last group (contiguous form) are zeros, as
 // lax.ragged_dot gives. 16-byte stores; row widths are multiples of 16 B.
 __global__ void ZeroTailRows(uint4* out, int64_t row_vecs, int64_t rows, const int64_t* total) {
@@ -191,6 +194,8 @@ __global__ void ZeroEmptyGroups(uint4* out, int64_t group_vecs, const int32_t* s
     o[i] = make_uint4(0, 0, 0, 0);
   }
 }
+
+}  // namespace
 
 template <class C>
 typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arrays<C>& arr,

@@ -1,8 +1,9 @@
 """An expert-parallel MoE feed-forward layer (Flax NNX).
 
 Routing runs on the global, token-sharded activations; the expert part runs
-inside shard_map: dispatch (expert layout) -> two grouped matmuls with
-`lax.ragged_dot` on this rank's experts -> weighted combine.
+inside shard_map: dispatch (expert layout) -> two grouped matmuls on this
+rank's experts (jax_ep.grouped_matmul: tensor-core grouped kernels on GPU,
+`lax.ragged_dot` elsewhere) -> weighted combine.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ep import mesh as _mesh
 from jax_ep.ops.dispatch import combine, dispatch
+from jax_ep.ops.grouped_gemm import grouped_matmul
 
 
 class MoE(nnx.Module):
@@ -26,7 +28,9 @@ class MoE(nnx.Module):
       the EP axis size); topk: K.
     mesh, axis_name: experts are split over `axis_name`; tokens too.
     expert_alignment: group padding for the grouped matmul.
-    backend: None (auto), "reference" or "cuda"; see jax_ep.dispatch.
+    backend: None (auto), "reference" or "cuda"; see jax_ep.dispatch. The
+      expert matmuls (jax_ep.grouped_matmul) run their GPU kernel unless it
+      is "reference".
   """
 
   def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, *, mesh: Mesh,
@@ -61,7 +65,12 @@ def _experts(x, topk_idx, topk_weights, w_in, w_out, *, num_experts, axis_name,
              expert_alignment, backend, dtype):
   out = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name,
                  layout="expert", expert_alignment=expert_alignment, backend=backend)
-  h = jax.lax.ragged_dot(out.recv_x, w_in, out.counts, preferred_element_type=jnp.float32)
+  # The expert GEMMs need no communicator: the kernel runs wherever CUDA is
+  # the platform and the operands are bf16 (else lax.ragged_dot), unless
+  # the layer is told to use the reference.
+  gemm = functools.partial(grouped_matmul,
+                           backend="reference" if backend == "reference" else None)
+  h = gemm(out.recv_x, w_in, out.counts, out_dtype=jnp.float32)
   h = jax.nn.gelu(h).astype(dtype)
-  y = jax.lax.ragged_dot(h, w_out, out.counts, preferred_element_type=jnp.float32).astype(dtype)
+  y = gemm(h, w_out, out.counts, out_dtype=dtype)
   return combine(y, out.handle, out.recv_topk_weights, axis_name=axis_name, backend=backend)

@@ -1,0 +1,174 @@
+"""Expert GEMMs on one GPU: jax_ep.grouped_matmul against what JAX offers.
+
+Shape (issue 17, DESIGN §5): M = 32768 rows (4096 tokens x top-8) over 128
+local experts, bf16, H = 7168 -> F = 2048 (up) and F -> H (down). Group sizes
+come from uniform random routing, padded to 8 rows, and are read on the
+device. In one run, every implementation warmed up before it is timed:
+
+  jax_ep             grouped_matmul (CUTLASS grouped kernels)
+  jax_dense_matmul   x @ w of the same FLOPs with one weight: the rate to beat
+  jax_padded_einsum  [128, 384, H] x [128, H, F] (capacity 1.5x the mean)
+  jax_ragged_dot     lax.ragged_dot (XLA's own)
+  jax_ep_masked      masked_grouped_matmul at the low-latency decode grid
+
+for the forward (`fwd`) and forward + backward (`fwd_bwd`: out, dx, dw).
+TFLOP/s count the useful FLOPs (2 * 32768 * H * F per product, three products
+for fwd_bwd) over the median time. Records: bench = grouped_gemm.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_normal as bn  # noqa: E402
+
+ROWS, EXPERTS, HIDDEN, FFN, ALIGN, CAPACITY = 32768, 128, 7168, 2048, 8, 384
+
+
+def _group_sizes(rng) -> np.ndarray:
+  sizes = rng.multinomial(ROWS, np.full(EXPERTS, 1.0 / EXPERTS))
+  return ((sizes + ALIGN - 1) // ALIGN * ALIGN).astype(np.int32)
+
+
+def _products(direction: str):
+  """(k, n) of the product: up H -> F, down F -> H."""
+  return (HIDDEN, FFN) if direction == "up" else (FFN, HIDDEN)
+
+
+def run(quick: bool) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+
+  rng = np.random.default_rng(0)
+  sizes_np = _group_sizes(rng)
+  m_pad = int(sizes_np.sum())
+  print(f"group sizes: min {sizes_np.min()} max {sizes_np.max()} padded rows {m_pad}", flush=True)
+  sizes = jnp.asarray(sizes_np)
+  records = []
+  key = jax.random.key(1)
+
+  def rec(direction, mode, impl, t, flops, dense_t=None, **extra):
+    r = dict(bench="grouped_gemm", impl=impl, dtype="bf16", direction=direction, mode=mode,
+             rows=ROWS, experts=EXPERTS, k=_products(direction)[0], n=_products(direction)[1],
+             time_us=None if t is None else t * 1e6,
+             tflops=None if t is None else flops / t / 1e12,
+             ratio_to_dense=None if (t is None or dense_t is None) else dense_t / t, **extra)
+    records.append(r)
+    timing = "-" if t is None else f"{t * 1e3:9.3f} ms {flops / t / 1e12:7.1f} TFLOP/s"
+    ratio = "" if r["ratio_to_dense"] is None else f"  x{r['ratio_to_dense']:.2f} of dense"
+    print(f"  {direction:4s} {mode:7s} {impl:18s} {timing}{ratio}", flush=True)
+
+  for direction in ("up", "down"):
+    k, n = _products(direction)
+    k1, k2, k3, key = jax.random.split(key, 4)
+    x = jax.random.normal(k1, (m_pad, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(k3, (m_pad, n), jnp.float32).astype(jnp.bfloat16)
+    xd = x[:ROWS]
+    wd = w[0]
+    dyd = dy[:ROWS]
+    xp = jax.random.normal(k1, (EXPERTS, CAPACITY, k), jnp.float32).astype(jnp.bfloat16)
+    dyp = jax.random.normal(k3, (EXPERTS, CAPACITY, n), jnp.float32).astype(jnp.bfloat16)
+    flops = 2.0 * ROWS * k * n
+
+    fwd = {
+        "jax_dense_matmul": (lambda a, b: a @ b, (xd, wd)),
+        "jax_ep": (lambda a, b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda"), (x, w)),
+        "jax_padded_einsum": (lambda a, b: jnp.einsum("gch,ghf->gcf", a, b), (xp, w)),
+        "jax_ragged_dot": (lambda a, b: jax.lax.ragged_dot(a, b, sizes), (x, w)),
+    }
+
+    def vjp_of(f):
+      def g(a, b, d):
+        out, back = jax.vjp(f, a, b)
+        return (out, *back(d))
+      return g
+
+    bwd = {
+        "jax_dense_matmul": (vjp_of(lambda a, b: a @ b), (xd, wd, dyd)),
+        "jax_ep": (vjp_of(lambda a, b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda")),
+                   (x, w, dy)),
+        "jax_padded_einsum": (vjp_of(lambda a, b: jnp.einsum("gch,ghf->gcf", a, b)), (xp, w, dyp)),
+        "jax_ragged_dot": (vjp_of(lambda a, b: jax.lax.ragged_dot(a, b, sizes)), (x, w, dy)),
+    }
+    if quick or direction == "down":
+      bwd.pop("jax_ragged_dot")  # ~0.35 s a call; the up projection's figure stands for it
+
+    # Correctness at this shape before timing: the kernel against the padded
+    # einsum's products of the same rows (an independent XLA path).
+    got = jax.jit(fwd["jax_ep"][0])(x, w)
+    starts = np.concatenate([[0], np.cumsum(sizes_np)[:-1]])
+    for g in (0, EXPERTS // 2, EXPERTS - 1):
+      s, c = int(starts[g]), int(sizes_np[g])
+      want = jnp.dot(x[s:s + c], w[g], preferred_element_type=jnp.float32)
+      err = float(jnp.linalg.norm(got[s:s + c].astype(jnp.float32) - want) / jnp.linalg.norm(want))
+      assert err < 1e-2, f"{direction} group {g}: relative error {err:.2e}"
+
+    # Warm every implementation before timing any.
+    for f, a in list(fwd.values()) + list(bwd.values()):
+      jax.block_until_ready(jax.jit(f)(*a))
+    dense_t = {}
+    for mode, table, mult in (("fwd", fwd, 1), ("fwd_bwd", bwd, 3)):
+      for impl, (f, a) in table.items():
+        slow = impl == "jax_ragged_dot"
+        t = bn.time_or_none(f"{direction} {mode} {impl}", f, a, quick, max_iters=1 if slow else 10)
+        if impl == "jax_dense_matmul":
+          dense_t[mode] = t
+        rec(direction, mode, impl, t, mult * flops, dense_t.get(mode),
+            padded_rows=m_pad if impl.startswith("jax_ep") or slow else
+            (EXPERTS * CAPACITY if impl == "jax_padded_einsum" else ROWS))
+
+  # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]
+  # (EP2, 128 tokens/rank, top-8 of 256: 8 rows per expert on average).
+  S = 2 * 128
+  counts = jnp.asarray(rng.multinomial(2 * 128 * 8 // 2, np.full(EXPERTS, 1.0 / EXPERTS)),
+                       jnp.int32)
+  xg = jax.random.normal(key, (EXPERTS, S, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+  wg = (jax.random.normal(key, (EXPERTS, HIDDEN, FFN), jnp.float32) / 84.0).astype(jnp.bfloat16)
+  valid = float(counts.sum())
+  flops = 2.0 * valid * HIDDEN * FFN
+  masked = {
+      "jax_ep_masked": lambda a, b: jax_ep.masked_grouped_matmul(a, b, counts, backend="cuda"),
+      "jax_padded_einsum": lambda a, b: jnp.einsum("gch,ghf->gcf", a, b),
+  }
+  for f in masked.values():
+    jax.block_until_ready(jax.jit(f)(xg, wg))
+  weights_bytes = EXPERTS * HIDDEN * FFN * 2
+  for impl, f in masked.items():
+    t = bn.time_or_none(f"decode {impl}", f, (xg, wg), quick, max_iters=20)
+    rec("up", "decode", impl, t, flops, None, valid_rows=valid,
+        weight_read_gbps=None if t is None else weights_bytes / t / 1e9)
+  return records
+
+
+def main(argv=None) -> int:
+  args = bn.simple_args(__doc__, argv)
+  try:
+    import jax
+    gpus = jax.devices("gpu")
+  except (ImportError, RuntimeError):
+    gpus = []
+  import jax_ep
+  if not gpus or not jax_ep.cuda_available():
+    print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
+          file=sys.stderr)
+    return 2
+  records = run(args.quick)
+  stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
+               commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
+  for r in records:
+    r.update(stamp)
+  path = bn.write_records(records, args.out, "grouped_gemm")
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -6,6 +6,8 @@ arguments happens in `jax_ep.ops`; here only what the kernels rely on.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +88,22 @@ def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
   is its first min(group_sizes[g], S) rows of slot g (the masked form).
   group_sizes [G] int32 stays on the device.
   """
+  ws = _grouped_gemm_workspace_bytes(kind, jnp.dtype(out_dtype) == jnp.float32,
+                                      group_sizes.shape[0])
   # Each batch element is an independent product -> sequential calls.
-  return _call("jax_ep_grouped_gemm", jax.ShapeDtypeStruct(out_shape, out_dtype))(
+  out, _ = _call("jax_ep_grouped_gemm", (jax.ShapeDtypeStruct(out_shape, out_dtype),
+                                         jax.ShapeDtypeStruct((ws,), jnp.uint8)))(
       a, b, group_sizes, kind=np.int32(kind), group_stride=np.int64(group_stride),
       num_sms=np.int32(num_sms))
+  return out
+
+
+# CUTLASS keeps a few tensor maps per SM: sized for more SMs than any GPU
+# has, the workspace fits whatever device and num_sms the call runs with.
+_WORKSPACE_SMS = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_gemm_workspace_bytes(kind: int, out_f32: bool, num_groups: int) -> int:
+  return int(_native.module().grouped_gemm_workspace_bytes(kind, bool(out_f32), num_groups,
+                                                           _WORKSPACE_SMS))

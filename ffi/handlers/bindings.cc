@@ -16,6 +16,7 @@
 #include "comm.h"
 #include "handlers/state.h"
 #include "kernels/gin.cuh"
+#include "kernels/grouped_gemm.h"
 #include "kernels/window_layout.h"
 
 namespace nb = nanobind;
@@ -297,6 +298,19 @@ void RegisterCudaBindings(nb::module_& m) {
       nb::arg("num_experts"), nb::arg("x_bytes"), nb::arg("fp8"), nb::arg("y_bytes"),
       "The kernels' own window need for normal dispatch + combine (window_layout.h); "
       "jax_ep._ffi_dispatch.window_bytes_needed must agree with it.");
+
+  m.def(
+      "grouped_gemm_workspace_bytes",
+      [](int kind, bool out_f32, int num_groups, int sms) {
+        jax_ep::GroupedGemmArgs g;
+        g.kind = static_cast<jax_ep::GgKind>(kind);
+        g.out_dtype = out_f32 ? jax_ep::GgOut::kF32 : jax_ep::GgOut::kBF16;
+        g.num_groups = num_groups;
+        return jax_ep::GroupedGemmScratchBytes(g, sms);
+      },
+      nb::arg("kind"), nb::arg("out_f32"), nb::arg("num_groups"), nb::arg("sms"),
+      "Workspace bytes of one grouped GEMM call on up to `sms` SMs (per-group "
+      "arrays + CUTLASS's workspace; independent of the problem sizes).");
 
   m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
   m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);

@@ -1,6 +1,8 @@
 // FFI target "jax_ep_grouped_gemm": the expert GEMMs (docs/grouped_gemm.md).
-// Stateless: no communicator, only the stream, a scratch allocation for the
-// per-group arrays and CUTLASS's workspace, and the buffers.
+// Stateless: no communicator, only the stream and the buffers. The per-group
+// arrays and CUTLASS's workspace live in a second output that Python sizes
+// with grouped_gemm_workspace_bytes (XLA's FFI scratch allocator gave
+// nothing under jax 0.11.2's PjRt on the GPU machine).
 #include <cuda_runtime.h>
 
 #include <array>
@@ -34,9 +36,10 @@ int DeviceSms(int ordinal) {
 // a, b, out as grouped_gemm.h describes per kind. `a` may carry a leading
 // group axis (masked form: [G, S, .]); the handler sees its rows flat.
 ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
-                              ffi::ScratchAllocator scratch, int32_t kind, int64_t group_stride,
-                              int32_t num_sms, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+                              int32_t kind, int64_t group_stride, int32_t num_sms,
+                              ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace) {
   if (a.element_type() != ffi::DataType::BF16 || b.element_type() != ffi::DataType::BF16) {
     return Invalid("operands must be bf16");
   }
@@ -99,13 +102,11 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
   if (sms <= 0) return ffi::Error::Internal("jax_ep grouped_matmul: cannot read the SM count");
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
   const size_t need = GroupedGemmScratchBytes(g, sms);
-  std::optional<void*> buf = scratch.Allocate(need, 256);
-  if (!buf.has_value()) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "jax_ep grouped_matmul: no scratch memory for " + std::to_string(need) +
-                          " bytes");
+  if (workspace->size_bytes() < need) {
+    return Invalid("workspace of " + std::to_string(workspace->size_bytes()) +
+                   " bytes, the call needs " + std::to_string(need));
   }
-  if (const char* err = LaunchGroupedGemm(g, *buf, need, sms, stream)) {
+  if (const char* err = LaunchGroupedGemm(g, workspace->untyped_data(), need, sms, stream)) {
     return ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") + err);
   }
   return ffi::Error::Success();
@@ -118,11 +119,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute, jax_ep::GroupedGemmExecut
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Attr<int32_t>("kind")
                                   .Attr<int64_t>("group_stride")
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>());

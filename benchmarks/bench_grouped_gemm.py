@@ -41,7 +41,45 @@ def _products(direction: str):
   return (HIDDEN, FFN) if direction == "up" else (FFN, HIDDEN)
 
 
-def run(quick: bool) -> list[dict]:
+def _variant_records(variants, quick, rec, sizes_np, key) -> None:
+  """Kernel schedules side by side (JAX_EP_GG_VARIANT, docs/grouped_gemm.md):
+  each of the three products alone, up projection, routed sizes and
+  uniform 256-row groups (the stock CUTLASS example's case)."""
+  import jax
+  import jax.numpy as jnp
+  from jax_ep import _ffi
+  k, n = _products("up")
+  for routing, sz in (("random", sizes_np), ("uniform", np.full(EXPERTS, ROWS // EXPERTS,
+                                                                 np.int32))):
+    m = int(sz.sum())
+    sizes = jnp.asarray(sz)
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
+    flops = 2.0 * ROWS * k * n
+    calls = {
+        "fwd": (lambda a, b: _ffi.grouped_gemm_cuda(a, b, sizes, kind=_ffi.GG_FORWARD,
+                                                    out_shape=(m, n), out_dtype=jnp.bfloat16),
+                (x, w)),
+        "dx": (lambda d, b: _ffi.grouped_gemm_cuda(d, b, sizes, kind=_ffi.GG_TRANS_W,
+                                                   out_shape=(m, k), out_dtype=jnp.bfloat16),
+               (dy, w)),
+        "dw": (lambda a, d: _ffi.grouped_gemm_cuda(a, d, sizes, kind=_ffi.GG_WEIGHT_GRAD,
+                                                   out_shape=(EXPERTS, k, n),
+                                                   out_dtype=jnp.bfloat16), (x, dy)),
+    }
+    for f, a in calls.values():
+      jax.block_until_ready(jax.jit(f)(*a))
+    for v in variants:
+      os.environ["JAX_EP_GG_VARIANT"] = str(v)
+      for prod, (f, a) in calls.items():
+        t = bn.time_or_none(f"variant {v} {prod}", f, a, quick, max_iters=10)
+        rec("up", prod, f"jax_ep_variant{v}", t, flops, None, routing=routing)
+  os.environ.pop("JAX_EP_GG_VARIANT", None)
+
+
+def run(quick: bool, variants=()) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import jax_ep
@@ -63,7 +101,8 @@ def run(quick: bool) -> list[dict]:
     records.append(r)
     timing = "-" if t is None else f"{t * 1e3:9.3f} ms {flops / t / 1e12:7.1f} TFLOP/s"
     ratio = "" if r["ratio_to_dense"] is None else f"  x{r['ratio_to_dense']:.2f} of dense"
-    print(f"  {direction:4s} {mode:7s} {impl:18s} {timing}{ratio}", flush=True)
+    tag = extra.get("routing", "")
+    print(f"  {direction:4s} {mode:7s} {impl:18s} {tag:8s}{timing}{ratio}", flush=True)
 
   for direction in ("up", "down"):
     k, n = _products(direction)
@@ -135,6 +174,9 @@ def run(quick: bool) -> list[dict]:
             padded_rows=m_pad if impl.startswith("jax_ep") or slow else
             (EXPERTS * CAPACITY if impl == "jax_padded_einsum" else ROWS))
 
+  if variants:
+    _variant_records(variants, quick, rec, sizes_np, key)
+
   # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]
   # (EP2, 128 tokens/rank, top-8 of 256: 8 rows per expert on average).
   S = 2 * 128
@@ -159,7 +201,13 @@ def run(quick: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  args = bn.simple_args(__doc__, argv)
+  import argparse
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
+  ap.add_argument("--quick", action="store_true", help="fewer iterations")
+  ap.add_argument("--variants", default="", help="kernel schedules to compare, e.g. 0,1,2")
+  args = ap.parse_args(argv)
   try:
     import jax
     gpus = jax.devices("gpu")
@@ -170,7 +218,7 @@ def main(argv=None) -> int:
     print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
           file=sys.stderr)
     return 2
-  records = run(args.quick)
+  records = run(args.quick, [int(v) for v in args.variants.split(",") if v])
   stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
                commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   for r in records:

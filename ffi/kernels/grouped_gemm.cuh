@@ -5,6 +5,8 @@
 // into per-group shapes, pointers and strides.
 #pragma once
 
+#include <cstdlib>
+
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -23,29 +25,54 @@ using Problem = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using ProblemMNK = Problem::UnderlyingProblemShape;
 using Bf16 = cutlass::bfloat16_t;
 
-// 128-row tiles: expert groups are a few hundred rows and rarely a multiple
-// of 256, so a 256-row tile would waste up to half its second pass. Two CTAs
-// along M form a cluster and share each weight tile through TMA multicast:
-// the weights (29 MB per expert at 7168 x 2048) are the bytes that matter.
-using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+// Candidate schedules (docs/grouped_gemm.md). Expert groups at the MoE
+// shape hold a few hundred rows, rarely a tile multiple, so the M tile and
+// the cluster's M extent set how many wasted rows each group computes; the
+// weights (29 MB per expert at 7168 x 2048) are the bytes that matter.
+struct CoopM128ClusterM2 {  // pairs of M tiles share weight tiles (multicast)
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct CoopM128ClusterN2 {  // no M rounding to the cluster; pairs share x tiles
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct PingpongM64ClusterN2 {  // 64-row tiles; one warpgroup's epilogue hides
+  using Tile = cute::Shape<cute::_64, cute::_256, cute::_64>;  // under the other's MMAs
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
 
-template <class LayoutA, class LayoutB, class ElementD>
+// JAX_EP_GG_VARIANT (debugging/measurement only: docs/grouped_gemm.md) picks
+// a schedule: 0 = CoopM128ClusterM2, 1 = CoopM128ClusterN2,
+// 2 = PingpongM64ClusterN2; read per call so one process can compare them.
+inline int VariantFromEnv() {
+  const char* v = std::getenv("JAX_EP_GG_VARIANT");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
+template <class LayoutA, class LayoutB, class ElementD, class Sched>
 struct Config {
+  using TileShape = typename Sched::Tile;
+  using ClusterShape = typename Sched::Cluster;
   static constexpr int kAlignIn = 16 / sizeof(Bf16);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, cutlass::layout::RowMajor*, kAlignD,  // no C operand
-      ElementD, cutlass::layout::RowMajor*, kAlignD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      ElementD, cutlass::layout::RowMajor*, kAlignD, typename Sched::Epi>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignIn, Bf16,
       LayoutB*, kAlignIn, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Sched::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Problem, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -248,6 +275,30 @@ const char* Run(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS grouped GEMM launch failed";
   return nullptr;
+}
+
+// The schedules one instance file compiles, by operand arrangement.
+template <class LA, class LB, class D>
+using V0 = Config<LA, LB, D, CoopM128ClusterM2>;
+template <class LA, class LB, class D>
+using V1 = Config<LA, LB, D, CoopM128ClusterN2>;
+template <class LA, class LB, class D>
+using V2 = Config<LA, LB, D, PingpongM64ClusterN2>;
+
+template <class LA, class LB, class D>
+size_t ScratchBytesAnyVariant(const GroupedGemmArgs& a, int sms) {
+  size_t n = ScratchBytes<V0<LA, LB, D>>(a, sms);
+  n = std::max(n, ScratchBytes<V1<LA, LB, D>>(a, sms));
+  return std::max(n, ScratchBytes<V2<LA, LB, D>>(a, sms));
+}
+
+template <class LA, class LB, class D, GgKind kKind>
+const char* RunVariant(const GroupedGemmArgs& a, void* s, size_t n, int sms, cudaStream_t st) {
+  switch (VariantFromEnv()) {
+    case 1: return Run<V1<LA, LB, D>, kKind>(a, s, n, sms, st);
+    case 2: return Run<V2<LA, LB, D>, kKind>(a, s, n, sms, st);
+    default: return Run<V0<LA, LB, D>, kKind>(a, s, n, sms, st);
+  }
 }
 
 }  // namespace jax_ep::gg

@@ -4,14 +4,15 @@
 
 namespace jax_ep {
 namespace {
-using Cfg = gg::Config<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
-                       cutlass::bfloat16_t>;
+using LA = cutlass::layout::RowMajor;
+using LB = cutlass::layout::ColumnMajor;
+using D = cutlass::bfloat16_t;
 }  // namespace
 
-size_t GgScratchTransW(const GroupedGemmArgs& a, int sms) { return gg::ScratchBytes<Cfg>(a, sms); }
+size_t GgScratchTransW(const GroupedGemmArgs& a, int sms) { return gg::ScratchBytesAnyVariant<LA, LB, D>(a, sms); }
 
 const char* GgRunTransW(const GroupedGemmArgs& a, void* s, size_t n, int sms, cudaStream_t st) {
-  return gg::Run<Cfg, GgKind::kTransW>(a, s, n, sms, st);
+  return gg::RunVariant<LA, LB, D, GgKind::kTransW>(a, s, n, sms, st);
 }
 
 }  // namespace jax_ep

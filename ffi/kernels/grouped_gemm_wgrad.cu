@@ -5,17 +5,18 @@
 
 namespace jax_ep {
 namespace {
-using Cfg = gg::Config<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
-                       cutlass::bfloat16_t>;
+using LA = cutlass::layout::ColumnMajor;
+using LB = cutlass::layout::RowMajor;
+using D = cutlass::bfloat16_t;
 }  // namespace
 
 size_t GgScratchWeightGrad(const GroupedGemmArgs& a, int sms) {
-  return gg::ScratchBytes<Cfg>(a, sms);
+  return gg::ScratchBytesAnyVariant<LA, LB, D>(a, sms);
 }
 
 const char* GgRunWeightGrad(const GroupedGemmArgs& a, void* s, size_t n, int sms,
                             cudaStream_t st) {
-  return gg::Run<Cfg, GgKind::kWeightGrad>(a, s, n, sms, st);
+  return gg::RunVariant<LA, LB, D, GgKind::kWeightGrad>(a, s, n, sms, st);
 }
 
 }  // namespace jax_ep

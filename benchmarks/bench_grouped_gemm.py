@@ -42,9 +42,10 @@ def _products(direction: str):
 
 
 def _variant_records(variants, quick, rec, sizes_np, key) -> None:
-  """Kernel schedules side by side (JAX_EP_GG_VARIANT, docs/grouped_gemm.md):
-  each of the three products alone, up projection, routed sizes and
-  uniform 256-row groups (the stock CUTLASS example's case)."""
+  """Kernel schedules side by side (JAX_EP_GG_VARIANT / _RASTER / _SWIZZLE,
+  docs/grouped_gemm.md): each of the three products alone, up projection,
+  routed sizes and uniform 256-row groups (the stock CUTLASS example's case).
+  `variants`: "V" or "V:raster:swizzle" strings."""
   import jax
   import jax.numpy as jnp
   from jax_ep import _ffi
@@ -71,15 +72,18 @@ def _variant_records(variants, quick, rec, sizes_np, key) -> None:
     }
     for f, a in calls.values():
       jax.block_until_ready(jax.jit(f)(*a))
-    for v in variants:
-      os.environ["JAX_EP_GG_VARIANT"] = str(v)
+    for spec in variants:
+      v, raster, swizzle = (spec.split(":") + ["1", "1"])[:3]
+      os.environ.update(JAX_EP_GG_VARIANT=v, JAX_EP_GG_RASTER=raster, JAX_EP_GG_SWIZZLE=swizzle)
       for prod, (f, a) in calls.items():
-        t = bn.time_or_none(f"variant {v} {prod}", f, a, quick, max_iters=10)
-        rec("up", prod, f"jax_ep_variant{v}", t, flops, None, routing=routing)
-  os.environ.pop("JAX_EP_GG_VARIANT", None)
+        t = bn.time_or_none(f"variant {spec} {prod}", f, a, quick, max_iters=10)
+        rec("up", prod, f"jax_ep_variant{v}_r{raster}_s{swizzle}", t, flops, None,
+            routing=routing)
+  for name in ("JAX_EP_GG_VARIANT", "JAX_EP_GG_RASTER", "JAX_EP_GG_SWIZZLE"):
+    os.environ.pop(name, None)
 
 
-def run(quick: bool, variants=()) -> list[dict]:
+def run(quick: bool, variants=(), only_variants: bool = False) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import jax_ep
@@ -104,7 +108,7 @@ def run(quick: bool, variants=()) -> list[dict]:
     tag = extra.get("routing", "")
     print(f"  {direction:4s} {mode:7s} {impl:18s} {tag:8s}{timing}{ratio}", flush=True)
 
-  for direction in ("up", "down"):
+  for direction in () if only_variants else ("up", "down"):
     k, n = _products(direction)
     k1, k2, k3, key = jax.random.split(key, 4)
     x = jax.random.normal(k1, (m_pad, k), jnp.float32).astype(jnp.bfloat16)
@@ -176,6 +180,8 @@ def run(quick: bool, variants=()) -> list[dict]:
 
   if variants:
     _variant_records(variants, quick, rec, sizes_np, key)
+  if only_variants:
+    return records
 
   # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]
   # (EP2, 128 tokens/rank, top-8 of 256: 8 rows per expert on average).
@@ -206,7 +212,9 @@ def main(argv=None) -> int:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
   ap.add_argument("--quick", action="store_true", help="fewer iterations")
-  ap.add_argument("--variants", default="", help="kernel schedules to compare, e.g. 0,1,2")
+  ap.add_argument("--variants", default="",
+                  help="kernel schedules to compare: V or V:raster:swizzle, comma-separated")
+  ap.add_argument("--only-variants", action="store_true", help="skip the main comparison")
   args = ap.parse_args(argv)
   try:
     import jax
@@ -218,7 +226,7 @@ def main(argv=None) -> int:
     print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
           file=sys.stderr)
     return 2
-  records = run(args.quick, [int(v) for v in args.variants.split(",") if v])
+  records = run(args.quick, [v for v in args.variants.split(",") if v], args.only_variants)
   stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
                commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   for r in records:

@@ -41,20 +41,22 @@ struct CoopM128ClusterN2 {  // no M rounding to the cluster; pairs share x tiles
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-struct PingpongM64ClusterN2 {  // 64-row tiles; one warpgroup's epilogue hides
-  using Tile = cute::Shape<cute::_64, cute::_256, cute::_64>;  // under the other's MMAs
+struct CoopM256ClusterN2 {  // a 256-row group in one tile: weights read once
+  using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
 // JAX_EP_GG_VARIANT (debugging/measurement only: docs/grouped_gemm.md) picks
 // a schedule: 0 = CoopM128ClusterM2, 1 = CoopM128ClusterN2,
-// 2 = PingpongM64ClusterN2; read per call so one process can compare them.
-inline int VariantFromEnv() {
-  const char* v = std::getenv("JAX_EP_GG_VARIANT");
-  return v == nullptr ? 0 : std::atoi(v);
+// 2 = CoopM256ClusterN2; JAX_EP_GG_RASTER (1 along M, 2 along N) and
+// JAX_EP_GG_SWIZZLE the tile order. Read per call so one process can compare.
+inline int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::atoi(v);
 }
+inline int VariantFromEnv() { return EnvInt("JAX_EP_GG_VARIANT", 0); }
 
 template <class LayoutA, class LayoutB, class ElementD, class Sched>
 struct Config {
@@ -236,6 +238,9 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arr
       {arr.a, arr.sa, arr.b, arr.sb},
       {{}, nullptr, nullptr, arr.d, arr.sd},
       hw};
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  g.scheduler.raster_order = EnvInt("JAX_EP_GG_RASTER", 1) == 2 ? Raster::AlongN : Raster::AlongM;
+  g.scheduler.max_swizzle_size = EnvInt("JAX_EP_GG_SWIZZLE", 1);
   g.epilogue.thread.alpha = 1.0f;
   g.epilogue.thread.beta = 0.0f;
   return g;
@@ -283,7 +288,7 @@ using V0 = Config<LA, LB, D, CoopM128ClusterM2>;
 template <class LA, class LB, class D>
 using V1 = Config<LA, LB, D, CoopM128ClusterN2>;
 template <class LA, class LB, class D>
-using V2 = Config<LA, LB, D, PingpongM64ClusterN2>;
+using V2 = Config<LA, LB, D, CoopM256ClusterN2>;
 
 template <class LA, class LB, class D>
 size_t ScratchBytesAnyVariant(const GroupedGemmArgs& a, int sms) {

@@ -11,6 +11,9 @@ device. In one run, every implementation warmed up before it is timed:
   jax_ragged_dot     lax.ragged_dot (XLA's own)
   jax_ep_masked      masked_grouped_matmul at the low-latency decode grid
 
+and each kernel alone (kernel_fwd / kernel_dx / kernel_dw) on the routed
+sizes and on uniform 256-row groups, where the 128-row tiles waste nothing.
+
 for the forward (`fwd`) and forward + backward (`fwd_bwd`: out, dx, dw).
 TFLOP/s count the useful FLOPs (2 * 32768 * H * F per product, three products
 for fwd_bwd) over the median time. Records: bench = grouped_gemm.
@@ -41,11 +44,10 @@ def _products(direction: str):
   return (HIDDEN, FFN) if direction == "up" else (FFN, HIDDEN)
 
 
-def _variant_records(variants, quick, rec, sizes_np, key) -> None:
-  """Kernel schedules side by side (JAX_EP_GG_VARIANT / _RASTER / _SWIZZLE,
-  docs/grouped_gemm.md): each of the three products alone, up projection,
-  routed sizes and uniform 256-row groups (the stock CUTLASS example's case).
-  `variants`: "V" or "V:raster:swizzle" strings."""
+def _product_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
+  """Each of the three kernels alone (forward, dx, dw; up projection), on the
+  routed sizes and on uniform 256-row groups (the stock CUTLASS example's
+  case, where 128-row tiles waste nothing)."""
   import jax
   import jax.numpy as jnp
   from jax_ep import _ffi
@@ -60,30 +62,22 @@ def _variant_records(variants, quick, rec, sizes_np, key) -> None:
     dy = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
     flops = 2.0 * ROWS * k * n
     calls = {
-        "fwd": (lambda a, b: _ffi.grouped_gemm_cuda(a, b, sizes, kind=_ffi.GG_FORWARD,
-                                                    out_shape=(m, n), out_dtype=jnp.bfloat16),
-                (x, w)),
-        "dx": (lambda d, b: _ffi.grouped_gemm_cuda(d, b, sizes, kind=_ffi.GG_TRANS_W,
-                                                   out_shape=(m, k), out_dtype=jnp.bfloat16),
-               (dy, w)),
-        "dw": (lambda a, d: _ffi.grouped_gemm_cuda(a, d, sizes, kind=_ffi.GG_WEIGHT_GRAD,
-                                                   out_shape=(EXPERTS, k, n),
-                                                   out_dtype=jnp.bfloat16), (x, dy)),
+        "kernel_fwd": (lambda a, b: _ffi.grouped_gemm_cuda(
+            a, b, sizes, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
+        "kernel_dx": (lambda d, b: _ffi.grouped_gemm_cuda(
+            d, b, sizes, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
+        "kernel_dw": (lambda a, d: _ffi.grouped_gemm_cuda(
+            a, d, sizes, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
+            out_dtype=jnp.bfloat16), (x, dy)),
     }
     for f, a in calls.values():
       jax.block_until_ready(jax.jit(f)(*a))
-    for spec in variants:
-      v, raster, swizzle = (spec.split(":") + ["1", "1"])[:3]
-      os.environ.update(JAX_EP_GG_VARIANT=v, JAX_EP_GG_RASTER=raster, JAX_EP_GG_SWIZZLE=swizzle)
-      for prod, (f, a) in calls.items():
-        t = bn.time_or_none(f"variant {spec} {prod}", f, a, quick, max_iters=10)
-        rec("up", prod, f"jax_ep_variant{v}_r{raster}_s{swizzle}", t, flops, None,
-            routing=routing)
-  for name in ("JAX_EP_GG_VARIANT", "JAX_EP_GG_RASTER", "JAX_EP_GG_SWIZZLE"):
-    os.environ.pop(name, None)
+    for prod, (f, a) in calls.items():
+      t = bn.time_or_none(f"{routing} {prod}", f, a, quick, max_iters=10)
+      rec("up", prod, "jax_ep", t, flops, dense_fwd_t, routing=routing, padded_rows=m)
 
 
-def run(quick: bool, variants=(), only_variants: bool = False) -> list[dict]:
+def run(quick: bool) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import jax_ep
@@ -108,7 +102,8 @@ def run(quick: bool, variants=(), only_variants: bool = False) -> list[dict]:
     tag = extra.get("routing", "")
     print(f"  {direction:4s} {mode:7s} {impl:18s} {tag:8s}{timing}{ratio}", flush=True)
 
-  for direction in () if only_variants else ("up", "down"):
+  dense_up_fwd = None
+  for direction in ("up", "down"):
     k, n = _products(direction)
     k1, k2, k3, key = jax.random.split(key, 4)
     x = jax.random.normal(k1, (m_pad, k), jnp.float32).astype(jnp.bfloat16)
@@ -174,14 +169,13 @@ def run(quick: bool, variants=(), only_variants: bool = False) -> list[dict]:
         t = bn.time_or_none(f"{direction} {mode} {impl}", f, a, quick, max_iters=1 if slow else 10)
         if impl == "jax_dense_matmul":
           dense_t[mode] = t
+          if direction == "up" and mode == "fwd":
+            dense_up_fwd = t
         rec(direction, mode, impl, t, mult * flops, dense_t.get(mode),
             padded_rows=m_pad if impl.startswith("jax_ep") or slow else
             (EXPERTS * CAPACITY if impl == "jax_padded_einsum" else ROWS))
 
-  if variants:
-    _variant_records(variants, quick, rec, sizes_np, key)
-  if only_variants:
-    return records
+  _product_records(quick, rec, sizes_np, key, dense_up_fwd)
 
   # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]
   # (EP2, 128 tokens/rank, top-8 of 256: 8 rows per expert on average).
@@ -207,15 +201,7 @@ def run(quick: bool, variants=(), only_variants: bool = False) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  import argparse
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
-  ap.add_argument("--quick", action="store_true", help="fewer iterations")
-  ap.add_argument("--variants", default="",
-                  help="kernel schedules to compare: V or V:raster:swizzle, comma-separated")
-  ap.add_argument("--only-variants", action="store_true", help="skip the main comparison")
-  args = ap.parse_args(argv)
+  args = bn.simple_args(__doc__, argv)
   try:
     import jax
     gpus = jax.devices("gpu")
@@ -226,7 +212,7 @@ def main(argv=None) -> int:
     print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
           file=sys.stderr)
     return 2
-  records = run(args.quick, [v for v in args.variants.split(",") if v], args.only_variants)
+  records = run(args.quick)
   stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
                commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   for r in records:

@@ -1,7 +1,7 @@
 """One grouped GEMM forward at the issue-17 shape (uniform 256-row groups),
 for a profiler: `ncu --clock-control none -k regex:device_kernel -c 1
---section SpeedOfLight python3 scripts/profile_grouped_gemm.py`. The
-schedule comes from JAX_EP_GG_VARIANT (docs/grouped_gemm.md)."""
+--section SpeedOfLight python3 scripts/profile_grouped_gemm.py`
+(docs/grouped_gemm.md has what it showed)."""
 import jax
 import jax.numpy as jnp
 

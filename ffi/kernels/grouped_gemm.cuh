@@ -5,8 +5,6 @@
 // into per-group shapes, pointers and strides.
 #pragma once
 
-#include <cstdlib>
-
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -25,40 +23,20 @@ using Problem = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using ProblemMNK = Problem::UnderlyingProblemShape;
 using Bf16 = cutlass::bfloat16_t;
 
-// Candidate schedules (docs/grouped_gemm.md). Expert groups at the MoE
-// shape hold a few hundred rows, rarely a tile multiple, so the M tile and
-// the cluster's M extent set how many wasted rows each group computes; the
-// weights (29 MB per expert at 7168 x 2048) are the bytes that matter.
-struct CoopM128ClusterM2 {  // pairs of M tiles share weight tiles (multicast)
-  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct CoopM128ClusterN2 {  // no M rounding to the cluster; pairs share x tiles
+// The schedule (docs/grouped_gemm.md has the measurements that chose it):
+// cooperative 128 x 256 x 64 tiles, clusters of two CTAs along N that share
+// each x tile through TMA multicast, tiles ordered along M so the M tiles of
+// one group's weight slice run together and meet in L2. Expert groups hold a
+// few hundred rows, rarely a tile multiple: 128-row tiles waste at most one
+// partial tile per group, and an N cluster adds no M rounding.
+struct Schedule {
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-struct CoopM256ClusterN2 {  // a 256-row group in one tile: weights read once
-  using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
 
-// JAX_EP_GG_VARIANT (debugging/measurement only: docs/grouped_gemm.md) picks
-// a schedule: 0 = CoopM128ClusterM2, 1 = CoopM128ClusterN2,
-// 2 = CoopM256ClusterN2; JAX_EP_GG_RASTER (1 along M, 2 along N) and
-// JAX_EP_GG_SWIZZLE the tile order. Read per call so one process can compare.
-inline int EnvInt(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : std::atoi(v);
-}
-inline int VariantFromEnv() { return EnvInt("JAX_EP_GG_VARIANT", 0); }
-
-template <class LayoutA, class LayoutB, class ElementD, class Sched>
+template <class LayoutA, class LayoutB, class ElementD, class Sched = Schedule>
 struct Config {
   using TileShape = typename Sched::Tile;
   using ClusterShape = typename Sched::Cluster;
@@ -238,9 +216,7 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arr
       {arr.a, arr.sa, arr.b, arr.sb},
       {{}, nullptr, nullptr, arr.d, arr.sd},
       hw};
-  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  g.scheduler.raster_order = EnvInt("JAX_EP_GG_RASTER", 1) == 2 ? Raster::AlongN : Raster::AlongM;
-  g.scheduler.max_swizzle_size = EnvInt("JAX_EP_GG_SWIZZLE", 1);
+  g.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
   g.epilogue.thread.alpha = 1.0f;
   g.epilogue.thread.beta = 0.0f;
   return g;
@@ -280,30 +256,6 @@ const char* Run(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS grouped GEMM launch failed";
   return nullptr;
-}
-
-// The schedules one instance file compiles, by operand arrangement.
-template <class LA, class LB, class D>
-using V0 = Config<LA, LB, D, CoopM128ClusterM2>;
-template <class LA, class LB, class D>
-using V1 = Config<LA, LB, D, CoopM128ClusterN2>;
-template <class LA, class LB, class D>
-using V2 = Config<LA, LB, D, CoopM256ClusterN2>;
-
-template <class LA, class LB, class D>
-size_t ScratchBytesAnyVariant(const GroupedGemmArgs& a, int sms) {
-  size_t n = ScratchBytes<V0<LA, LB, D>>(a, sms);
-  n = std::max(n, ScratchBytes<V1<LA, LB, D>>(a, sms));
-  return std::max(n, ScratchBytes<V2<LA, LB, D>>(a, sms));
-}
-
-template <class LA, class LB, class D, GgKind kKind>
-const char* RunVariant(const GroupedGemmArgs& a, void* s, size_t n, int sms, cudaStream_t st) {
-  switch (VariantFromEnv()) {
-    case 1: return Run<V1<LA, LB, D>, kKind>(a, s, n, sms, st);
-    case 2: return Run<V2<LA, LB, D>, kKind>(a, s, n, sms, st);
-    default: return Run<V0<LA, LB, D>, kKind>(a, s, n, sms, st);
-  }
 }
 
 }  // namespace jax_ep::gg

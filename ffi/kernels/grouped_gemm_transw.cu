@@ -6,13 +6,13 @@ namespace jax_ep {
 namespace {
 using LA = cutlass::layout::RowMajor;
 using LB = cutlass::layout::ColumnMajor;
-using D = cutlass::bfloat16_t;
+using Cfg = gg::Config<LA, LB, cutlass::bfloat16_t>;
 }  // namespace
 
-size_t GgScratchTransW(const GroupedGemmArgs& a, int sms) { return gg::ScratchBytesAnyVariant<LA, LB, D>(a, sms); }
+size_t GgScratchTransW(const GroupedGemmArgs& a, int sms) { return gg::ScratchBytes<Cfg>(a, sms); }
 
 const char* GgRunTransW(const GroupedGemmArgs& a, void* s, size_t n, int sms, cudaStream_t st) {
-  return gg::RunVariant<LA, LB, D, GgKind::kTransW>(a, s, n, sms, st);
+  return gg::Run<Cfg, GgKind::kTransW>(a, s, n, sms, st);
 }
 
 }  // namespace jax_ep

@@ -7,16 +7,16 @@ namespace jax_ep {
 namespace {
 using LA = cutlass::layout::ColumnMajor;
 using LB = cutlass::layout::RowMajor;
-using D = cutlass::bfloat16_t;
+using Cfg = gg::Config<LA, LB, cutlass::bfloat16_t>;
 }  // namespace
 
 size_t GgScratchWeightGrad(const GroupedGemmArgs& a, int sms) {
-  return gg::ScratchBytesAnyVariant<LA, LB, D>(a, sms);
+  return gg::ScratchBytes<Cfg>(a, sms);
 }
 
 const char* GgRunWeightGrad(const GroupedGemmArgs& a, void* s, size_t n, int sms,
                             cudaStream_t st) {
-  return gg::RunVariant<LA, LB, D, GgKind::kWeightGrad>(a, s, n, sms, st);
+  return gg::Run<Cfg, GgKind::kWeightGrad>(a, s, n, sms, st);
 }
 
 }  // namespace jax_ep

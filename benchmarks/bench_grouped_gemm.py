@@ -10,6 +10,7 @@ device. In one run, every implementation warmed up before it is timed:
   jax_padded_einsum  [128, 384, H] x [128, H, F] (capacity 1.5x the mean)
   jax_ragged_dot     lax.ragged_dot (XLA's own)
   jax_ep_masked      masked_grouped_matmul at the low-latency decode grid
+  jax_ep_fp8         grouped_matmul_fp8 (up projection), beside the bf16 kernel
 
 and each kernel alone (kernel_fwd / kernel_dx / kernel_dw) on the routed
 sizes and on uniform 256-row groups, where the 128-row tiles waste nothing.
@@ -77,6 +78,43 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
       rec("up", prod, "jax_ep", t, flops, dense_fwd_t, routing=routing, padded_rows=m)
 
 
+def _fp8_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
+  """grouped_matmul_fp8 (e4m3 rows with per-128 scales x e4m3 weights with
+  128 x 128 block scales), up projection, routed and uniform groups, next to
+  the bf16 kernel on the same groups; ratio_to_bf16 = bf16 time / fp8 time."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+  k, n = _products("up")
+  k1, k2 = jax.random.split(key)
+  w = jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)
+  wq, ws = jax.jit(jax_ep.quantize_weights_fp8)(w)
+  wb = w.astype(jnp.bfloat16)
+  del w
+  flops = 2.0 * ROWS * k * n
+  for routing, sz in (("random", sizes_np), ("uniform", np.full(EXPERTS, ROWS // EXPERTS,
+                                                                 np.int32))):
+    m = int(sz.sum())
+    sizes = jnp.asarray(sz)
+    x = jax.random.normal(k1, (m, k), jnp.float32)
+    xq, xs = jax.jit(jax_ep.quantize)(x)
+    xb = x.astype(jnp.bfloat16)
+    del x
+    f8 = lambda a, b, c, d: jax_ep.grouped_matmul_fp8((a, b), (c, d), sizes, backend="cuda")
+    bf = lambda a, b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda")
+    try:
+      jax.block_until_ready(jax.jit(f8)(xq, xs, wq, ws))
+      jax.block_until_ready(jax.jit(bf)(xb, wb))
+    except Exception as e:  # noqa: BLE001
+      print(f"  fp8 {routing}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    t8 = bn.time_or_none(f"fp8 {routing}", f8, (xq, xs, wq, ws), quick, max_iters=10)
+    tb = bn.time_or_none(f"bf16 {routing}", bf, (xb, wb), quick, max_iters=10)
+    rec("up", "fwd", "jax_ep", tb, flops, dense_fwd_t, routing=routing, padded_rows=m)
+    rec("up", "fwd", "jax_ep_fp8", t8, flops, dense_fwd_t, routing=routing, padded_rows=m,
+        dtype="fp8", ratio_to_bf16=None if (t8 is None or tb is None) else tb / t8)
+
+
 def run(quick: bool) -> list[dict]:
   import jax
   import jax.numpy as jnp
@@ -90,8 +128,8 @@ def run(quick: bool) -> list[dict]:
   records = []
   key = jax.random.key(1)
 
-  def rec(direction, mode, impl, t, flops, dense_t=None, **extra):
-    r = dict(bench="grouped_gemm", impl=impl, dtype="bf16", direction=direction, mode=mode,
+  def rec(direction, mode, impl, t, flops, dense_t=None, dtype="bf16", **extra):
+    r = dict(bench="grouped_gemm", impl=impl, dtype=dtype, direction=direction, mode=mode,
              rows=ROWS, experts=EXPERTS, k=_products(direction)[0], n=_products(direction)[1],
              time_us=None if t is None else t * 1e6,
              tflops=None if t is None else flops / t / 1e12,
@@ -99,6 +137,8 @@ def run(quick: bool) -> list[dict]:
     records.append(r)
     timing = "-" if t is None else f"{t * 1e3:9.3f} ms {flops / t / 1e12:7.1f} TFLOP/s"
     ratio = "" if r["ratio_to_dense"] is None else f"  x{r['ratio_to_dense']:.2f} of dense"
+    if extra.get("ratio_to_bf16") is not None:
+      ratio += f"  x{extra['ratio_to_bf16']:.2f} of bf16"
     tag = extra.get("routing", "")
     print(f"  {direction:4s} {mode:7s} {impl:18s} {tag:8s}{timing}{ratio}", flush=True)
 
@@ -176,6 +216,7 @@ def run(quick: bool) -> list[dict]:
             (EXPERTS * CAPACITY if impl == "jax_padded_einsum" else ROWS))
 
   _product_records(quick, rec, sizes_np, key, dense_up_fwd)
+  _fp8_records(quick, rec, sizes_np, key, dense_up_fwd)
 
   # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]
   # (EP2, 128 tokens/rank, top-8 of 256: 8 rows per expert on average).

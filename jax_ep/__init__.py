@@ -11,7 +11,9 @@ from jax_ep._checks import EpRuntimeError
 from jax_ep.fp8 import dequantize, quantize
 from jax_ep.mesh import shard_map
 from jax_ep.ops.dispatch import combine, dispatch
-from jax_ep.ops.grouped_gemm import grouped_matmul, masked_grouped_matmul
+from jax_ep.ops.grouped_gemm import (dequantize_weights_fp8, grouped_matmul,
+                                     grouped_matmul_fp8, masked_grouped_matmul,
+                                     masked_grouped_matmul_fp8, quantize_weights_fp8)
 from jax_ep.ops.engram import engram_fetch, engram_fetch_start, engram_fetch_wait
 from jax_ep.ops.layout import get_dispatch_layout
 from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_done,
@@ -28,9 +30,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator", "DispatchHandle", "DispatchOutput", "EpRuntimeError", "Layout",
     "LowLatencyDispatchOutput", "LowLatencyHandle", "combine", "cuda_available",
-    "default_capacity", "dequantize", "dispatch", "engram_fetch", "engram_fetch_start",
-    "engram_fetch_wait", "get_buffer_size_hint", "get_dispatch_layout", "grouped_matmul", "low_latency_combine",
-    "low_latency_combine_done", "low_latency_combine_start", "low_latency_dispatch",
-    "low_latency_dispatch_done", "low_latency_dispatch_start", "masked_grouped_matmul", "quantize",
-    "shard_map",
+    "default_capacity", "dequantize", "dequantize_weights_fp8", "dispatch", "engram_fetch",
+    "engram_fetch_start", "engram_fetch_wait", "get_buffer_size_hint", "get_dispatch_layout",
+    "grouped_matmul", "grouped_matmul_fp8", "low_latency_combine", "low_latency_combine_done",
+    "low_latency_combine_start", "low_latency_dispatch", "low_latency_dispatch_done",
+    "low_latency_dispatch_start", "masked_grouped_matmul", "masked_grouped_matmul_fp8", "quantize",
+    "quantize_weights_fp8", "shard_map",
 ]

@@ -73,7 +73,7 @@ def probe_all_to_all_cuda(x: Array, *, comm_id: int) -> Array:
 
 
 # Must match GgKind in ffi/kernels/grouped_gemm.h.
-GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD = 0, 1, 2
+GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD, GG_FORWARD_FP8 = 0, 1, 2, 3
 
 
 def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
@@ -94,6 +94,23 @@ def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
   out, _ = _call("jax_ep_grouped_gemm", (jax.ShapeDtypeStruct(out_shape, out_dtype),
                                          jax.ShapeDtypeStruct((ws,), jnp.uint8)))(
       a, b, group_sizes, kind=np.int32(kind), group_stride=np.int64(group_stride),
+      num_sms=np.int32(num_sms))
+  return out
+
+
+def grouped_gemm_fp8_cuda(xq: Array, xs_t: Array, wq: Array, ws: Array, group_sizes: Array, *,
+                          group_stride: int = 0, num_sms: int = 0) -> Array:
+  """FP8 grouped forward (ffi/kernels/grouped_gemm.h, kForwardFp8).
+
+  xq [M, H] (or [G, S, H]) e4m3; xs_t [H/128, M] (or [G, H/128, S]) f32,
+  x's per-(row, 128 channels) scales transposed; wq [G, F, H] e4m3 (K-major);
+  ws [G, H/128, F/128] f32 block scales. Returns [M, F] (or [G, S, F]) bf16.
+  """
+  out_shape = (*xq.shape[:-1], wq.shape[1])
+  ws_bytes = _grouped_gemm_workspace_bytes(GG_FORWARD_FP8, False, group_sizes.shape[0])
+  out, _ = _call("jax_ep_grouped_gemm_fp8", (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+                                             jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8)))(
+      xq, xs_t, wq, ws, group_sizes, group_stride=np.int64(group_stride),
       num_sms=np.int32(num_sms))
   return out
 

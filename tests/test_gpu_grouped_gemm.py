@@ -204,3 +204,41 @@ def test_moe_layer_on_the_kernels_matches_the_reference_backend():
   assert g_k.keys() == g_r.keys()
   for k in g_r:
     assert _rel(g_k[k], g_r[k]) < 3e-2, k
+
+
+def _fp8(rng, lead, G, h=512, f=256):
+  x = jnp.asarray(rng.standard_normal((*lead, h), np.float32) * 2)
+  w = jnp.asarray(rng.standard_normal((G, h, f), np.float32) / np.sqrt(h))
+  return jax_ep.quantize(x), jax_ep.quantize_weights_fp8(w)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "empty_groups", "all_in_one", "odd"])
+def test_grouped_matmul_fp8_matches_dequantised_oracle(pattern):
+  rng = np.random.default_rng(hash(("fp8", pattern)) % 2**32)
+  G = 8
+  sizes = _sizes(pattern, G, rng)
+  M = sum(sizes) + 100
+  (xq, xs), (wq, ws) = _fp8(rng, (M,), G)
+  out = jax.jit(lambda a, b, s: jax_ep.grouped_matmul_fp8(a, b, s, backend="cuda"))(
+      (xq, xs), (wq, ws), jnp.asarray(sizes, jnp.int32))
+  xd = np.asarray(jax_ep.dequantize(xq, xs, jnp.float32), np.float64)
+  wd = np.asarray(jax_ep.dequantize_weights_fp8(wq, ws), np.float64)
+  assert _rel(out, _oracle(xd, wd, sizes)) < 1e-2
+  assert np.all(np.asarray(out[sum(sizes):], np.float32) == 0)
+
+
+def test_masked_grouped_matmul_fp8_reads_only_valid_rows():
+  rng = np.random.default_rng(17)
+  G, S = 8, 256
+  counts = [0, 1, 8, 130, 256, 3, 0, 77]
+  (xq, xs), (wq, ws) = _fp8(rng, (G, S), G)
+  valid = np.arange(S)[None, :, None] < np.asarray(counts)[:, None, None]
+  xq = jnp.where(valid, xq, jnp.asarray(np.nan, jnp.float8_e4m3fn))  # garbage past the counts
+  xs = jnp.where(valid[..., 0:1], xs, jnp.nan)
+  out = jax.jit(lambda a, b, c: jax_ep.masked_grouped_matmul_fp8(a, b, c, backend="cuda"))(
+      (xq, xs), (wq, ws), jnp.asarray(counts, jnp.int32))
+  xd = np.asarray(jax_ep.dequantize(xq, xs, jnp.float32), np.float64)
+  wd = np.asarray(jax_ep.dequantize_weights_fp8(wq, ws), np.float64)
+  for g, n in enumerate(counts):
+    if n:
+      assert _rel(out[g, :n], xd[g, :n] @ wd[g]) < 1e-2, g

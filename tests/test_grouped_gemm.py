@@ -153,3 +153,66 @@ def test_cuda_lowering_holds_three_grouped_gemm_calls(masked):
   text = exp.mlir_module()
   assert text.count("custom_call @jax_ep_grouped_gemm") == 3, text.count("@jax_ep_grouped_gemm")
   assert "ragged_dot" not in text
+
+
+# --- FP8 ----------------------------------------------------------------------
+
+
+def _fp8_operands(seed, G, M, H=256, F=128, masked_s=None):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  shape = (G, masked_s, H) if masked_s else (M, H)
+  x = jax.random.normal(k1, shape, jnp.float32) * 3.0
+  w = jax.random.normal(k2, (G, H, F), jnp.float32) / np.sqrt(H)
+  return jax_ep.quantize(x), jax_ep.quantize_weights_fp8(w), w
+
+
+def test_weight_quantisation_round_trips_within_e4m3_precision():
+  _, (wq, ws), w = _fp8_operands(0, 3, 8)
+  assert wq.shape == (3, 128, 256) and wq.dtype == jnp.float8_e4m3fn
+  assert ws.shape == (3, 2, 1)
+  back = np.asarray(jax_ep.dequantize_weights_fp8(wq, ws))
+  err = np.abs(back - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+  assert 0 < err < 2 ** -4, err  # e4m3 keeps 3 mantissa bits
+
+
+@pytest.mark.parametrize("name,G,M,sizes", PATTERNS[:5], ids=[p[0] for p in PATTERNS[:5]])
+def test_grouped_matmul_fp8_matches_dequantised_oracle(name, G, M, sizes):
+  (xq, xs), (wq, ws), _ = _fp8_operands(len(name), G, M)
+  out = jax.jit(jax_ep.grouped_matmul_fp8)((xq, xs), (wq, ws), jnp.asarray(sizes, jnp.int32))
+  assert out.shape == (M, 128) and out.dtype == jnp.bfloat16
+  xd = np.asarray(jax_ep.dequantize(xq, xs, jnp.float32), np.float64)
+  wd = np.asarray(jax_ep.dequantize_weights_fp8(wq, ws), np.float64)
+  want = _oracle(xd, wd, sizes)
+  if sum(sizes):
+    _close(out, want, 1e-2)
+  assert np.all(np.asarray(out)[sum(sizes):] == 0)
+
+
+def test_fp8_bad_arguments_name_them():
+  (xq, xs), (wq, ws), _ = _fp8_operands(1, 2, 8)
+  s = jnp.asarray([4, 4], jnp.int32)
+  with pytest.raises(ValueError, match="pairs"):
+    jax_ep.grouped_matmul_fp8(xq, (wq, ws), s)
+  with pytest.raises(ValueError, match="x scales"):
+    jax_ep.grouped_matmul_fp8((xq, xs[:, :1]), (wq, ws), s)
+  with pytest.raises(ValueError, match="w scales"):
+    jax_ep.grouped_matmul_fp8((xq, xs), (wq, ws[:, :1]), s)
+  with pytest.raises(ValueError, match="float8_e4m3fn"):
+    jax_ep.grouped_matmul_fp8((xq.astype(jnp.bfloat16), xs), (wq, ws), s)
+
+
+@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_lowering_of_fp8_holds_the_fp8_call(masked):
+  G, H, F = 4, 256, 128
+  lead = (G, 16) if masked else (64,)
+  op = jax_ep.masked_grouped_matmul_fp8 if masked else jax_ep.grouped_matmul_fp8
+  args = ((jax.ShapeDtypeStruct((*lead, H), jnp.float8_e4m3fn),
+           jax.ShapeDtypeStruct((*lead, H // 128), jnp.float32)),
+          (jax.ShapeDtypeStruct((G, F, H), jnp.float8_e4m3fn),
+           jax.ShapeDtypeStruct((G, H // 128, F // 128), jnp.float32)),
+          jax.ShapeDtypeStruct((G,), jnp.int32))
+  checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm_fp8")]
+  text = jax.export.export(jax.jit(op), platforms=["cuda"], disabled_checks=checks)(
+      *args).mlir_module()
+  assert text.count("custom_call @jax_ep_grouped_gemm_fp8") == 1

@@ -29,6 +29,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute);
 
 namespace jax_ep {
 
@@ -278,6 +279,9 @@ void RegisterCudaBindings(nb::module_& m) {
     nb::dict stateless;  // needs no communicator: execute stage only
     stateless["execute"] = HandlerCapsule(JaxEpGroupedGemmExecute);
     d["jax_ep_grouped_gemm"] = stateless;
+    nb::dict stateless_fp8;
+    stateless_fp8["execute"] = HandlerCapsule(JaxEpGroupedGemmFp8Execute);
+    d["jax_ep_grouped_gemm_fp8"] = stateless_fp8;
     return d;
   }, "FFI targets: name -> {'instantiate': capsule, 'execute': capsule}.");
 

@@ -33,6 +33,23 @@ int DeviceSms(int ordinal) {
   return cache[ordinal];
 }
 
+// The part every grouped GEMM call shares: SM count, workspace check, launch.
+ffi::Error Launch(const GroupedGemmArgs& g, cudaStream_t stream, int32_t device_ordinal,
+                  int32_t num_sms, ffi::AnyBuffer workspace) {
+  int sms = DeviceSms(device_ordinal);
+  if (sms <= 0) return ffi::Error::Internal("jax_ep grouped_matmul: cannot read the SM count");
+  if (num_sms > 0 && num_sms < sms) sms = num_sms;
+  const size_t need = GroupedGemmScratchBytes(g, sms);
+  if (workspace.size_bytes() < need) {
+    return Invalid("workspace of " + std::to_string(workspace.size_bytes()) +
+                   " bytes, the call needs " + std::to_string(need));
+  }
+  if (const char* err = LaunchGroupedGemm(g, workspace.untyped_data(), need, sms, stream)) {
+    return ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") + err);
+  }
+  return ffi::Error::Success();
+}
+
 // a, b, out as grouped_gemm.h describes per kind. `a` may carry a leading
 // group axis (masked form: [G, S, .]); the handler sees its rows flat.
 ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
@@ -44,7 +61,7 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
     return Invalid("operands must be bf16");
   }
   GroupedGemmArgs g;
-  if (kind < 0 || kind > 2) return Invalid("unknown kind " + std::to_string(kind));
+  if (kind < 0 || kind > 2) return Invalid("unknown bf16 kind " + std::to_string(kind));
   g.kind = static_cast<GgKind>(kind);
   const ffi::DataType od = out->element_type();
   if (od != ffi::DataType::BF16 && !(od == ffi::DataType::F32 && g.kind == GgKind::kForward)) {
@@ -98,18 +115,57 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
                               : ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") +
                                                      cudaGetErrorString(err));
   }
-  int sms = DeviceSms(device_ordinal);
-  if (sms <= 0) return ffi::Error::Internal("jax_ep grouped_matmul: cannot read the SM count");
-  if (num_sms > 0 && num_sms < sms) sms = num_sms;
-  const size_t need = GroupedGemmScratchBytes(g, sms);
-  if (workspace->size_bytes() < need) {
-    return Invalid("workspace of " + std::to_string(workspace->size_bytes()) +
-                   " bytes, the call needs " + std::to_string(need));
+  return Launch(g, stream, device_ordinal, num_sms, *workspace);
+}
+
+// kForwardFp8: xq [rows, H] (or [G, S, H]) e4m3, xs_t [H/128, rows] (or
+// [G, H/128, S]) f32, wq [G, F, H] e4m3, ws [G, H/128, F/128] f32 -> out
+// [rows, F] (or [G, S, F]) bf16.
+ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal,
+                                 int64_t group_stride, int32_t num_sms, ffi::AnyBuffer a,
+                                 ffi::Buffer<ffi::F32> a_scales, ffi::AnyBuffer b,
+                                 ffi::Buffer<ffi::F32> b_scales,
+                                 ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> workspace) {
+  if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN) {
+    return Invalid("FP8 operands must be float8_e4m3fn");
   }
-  if (const char* err = LaunchGroupedGemm(g, workspace->untyped_data(), need, sms, stream)) {
-    return ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") + err);
+  if (out->element_type() != ffi::DataType::BF16) return Invalid("FP8 output must be bf16");
+  const auto ad = a.dimensions();
+  const auto bd = b.dimensions();
+  GroupedGemmArgs g;
+  g.kind = GgKind::kForwardFp8;
+  g.num_groups = static_cast<int>(group_sizes.element_count());
+  if (ad.size() < 2 || bd.size() != 3 || bd[0] != g.num_groups || bd[2] != ad.back()) {
+    return Invalid("FP8: x must be [M, H] (or [G, S, H]) and w [G, F, H]");
   }
-  return ffi::Error::Success();
+  g.h = ad.back();
+  g.f = bd[1];
+  g.rows = static_cast<int64_t>(a.element_count()) / g.h;
+  if (g.h % 128 != 0 || g.f % 128 != 0) return Invalid("FP8: H and F must be multiples of 128");
+  if (g.rows >= (int64_t{1} << 31) || g.h * g.f >= (int64_t{1} << 31)) {
+    return Invalid("dimensions must be below 2^31");
+  }
+  if (group_stride < 0 || (group_stride > 0 && group_stride * g.num_groups != g.rows)) {
+    return Invalid("masked form: lhs must be [G, S, .] with S = group_stride");
+  }
+  g.group_stride = group_stride;
+  if (static_cast<int64_t>(a_scales.element_count()) != g.rows * (g.h / 128) ||
+      static_cast<int64_t>(b_scales.element_count()) != g.num_groups * (g.h / 128) * (g.f / 128)) {
+    return Invalid("FP8: scales must be [H/128, M] (or [G, H/128, S]) and [G, H/128, F/128]");
+  }
+  if (static_cast<int64_t>(out->element_count()) != g.rows * g.f) {
+    return Invalid("output shape does not match the operands");
+  }
+  g.a = a.untyped_data();
+  g.b = b.untyped_data();
+  g.a_scales = a_scales.typed_data();
+  g.b_scales = b_scales.typed_data();
+  g.out = out->untyped_data();
+  g.group_sizes = group_sizes.typed_data();
+  if (g.rows == 0) return ffi::Error::Success();
+  return Launch(g, stream, device_ordinal, num_sms, *workspace);
 }
 
 }  // namespace
@@ -124,6 +180,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute, jax_ep::GroupedGemmExecut
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute, jax_ep::GroupedGemmFp8Execute,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("group_stride")
+                                  .Attr<int32_t>("num_sms")
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>());

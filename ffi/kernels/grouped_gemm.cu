@@ -9,6 +9,7 @@ size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
     case GgKind::kForward: return GgScratchForward(args, sms);
     case GgKind::kTransW: return GgScratchTransW(args, sms);
     case GgKind::kWeightGrad: return GgScratchWeightGrad(args, sms);
+    case GgKind::kForwardFp8: return GgScratchForwardFp8(args, sms);
   }
   return 0;
 }
@@ -19,6 +20,7 @@ const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, size_t
     case GgKind::kForward: return GgRunForward(args, scratch, scratch_bytes, sms, stream);
     case GgKind::kTransW: return GgRunTransW(args, scratch, scratch_bytes, sms, stream);
     case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, scratch_bytes, sms, stream);
+    case GgKind::kForwardFp8: return GgRunForwardFp8(args, scratch, scratch_bytes, sms, stream);
   }
   return "unknown grouped GEMM kind";
 }

@@ -14,6 +14,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
 
 #include "kernels/grouped_gemm.h"
 
@@ -59,6 +60,54 @@ struct Config {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
   using D = ElementD;
+  using In = Bf16;
+  static constexpr bool kBlockScaled = false;
+  using LayoutSFA = int;  // no scales
+  using LayoutSFB = int;
+};
+
+// FP8 (e4m3 x e4m3) with DeepGEMM-style fine-grained scales, promoted into
+// the f32 accumulators every 128 of K: x per (row, 128 channels), w per
+// 128 x 128 block. CUTLASS's Hopper blockwise kernel reads both scale arrays
+// M/N-major (the per-row scales of one 128-channel block contiguous) and
+// both operands K-major.
+struct Fp8Schedule {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <class ElementD>
+struct Fp8Config {
+  using TileShape = typename Fp8Schedule::Tile;
+  using ClusterShape = typename Fp8Schedule::Cluster;
+  using In = cutlass::float_e4m3_t;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  static constexpr bool kBlockScaled = true;
+  static constexpr int kAlignIn = 16;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor*, kAlignD,
+      ElementD, cutlass::layout::RowMajor*, kAlignD, typename Fp8Schedule::Epi>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      In, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn,
+      In, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn, float, TileShape,
+      ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      typename Fp8Schedule::Kernel>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Problem, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using D = ElementD;
 };
 
 // The per-group arrays the grouped kernel reads, carved from one scratch
@@ -66,12 +115,16 @@ struct Config {
 template <class C>
 struct Arrays {
   ProblemMNK* shapes;
-  const Bf16** a;
-  const Bf16** b;
+  const typename C::In** a;
+  const typename C::In** b;
   typename C::D** d;
   typename C::StrideA* sa;
   typename C::StrideB* sb;
   typename C::StrideD* sd;
+  const float** sfa;  // FP8 only: scale pointers and layouts per group
+  const float** sfb;
+  typename C::LayoutSFA* lsfa;
+  typename C::LayoutSFB* lsfb;
   int32_t* sizes;  // effective (clamped) rows per group
   int64_t* total;  // rows covered by the groups (contiguous form)
   void* workspace;
@@ -80,8 +133,9 @@ struct Arrays {
   static size_t ArraysBytes(int g) {
     return Align(sizeof(ProblemMNK) * g) + 3 * Align(sizeof(void*) * g) +
            Align(sizeof(typename C::StrideA) * g) + Align(sizeof(typename C::StrideB) * g) +
-           Align(sizeof(typename C::StrideD) * g) + Align(sizeof(int32_t) * g) +
-           Align(sizeof(int64_t));
+           Align(sizeof(typename C::StrideD) * g) + 2 * Align(sizeof(void*) * g) +
+           Align(sizeof(typename C::LayoutSFA) * g) + Align(sizeof(typename C::LayoutSFB) * g) +
+           Align(sizeof(int32_t) * g) + Align(sizeof(int64_t));
   }
   static Arrays Carve(void* base, int g) {
     char* p = static_cast<char*>(base);
@@ -92,12 +146,16 @@ struct Arrays {
       return q;
     };
     r.shapes = reinterpret_cast<ProblemMNK*>(take(sizeof(ProblemMNK) * g));
-    r.a = reinterpret_cast<const Bf16**>(take(sizeof(void*) * g));
-    r.b = reinterpret_cast<const Bf16**>(take(sizeof(void*) * g));
+    r.a = reinterpret_cast<const typename C::In**>(take(sizeof(void*) * g));
+    r.b = reinterpret_cast<const typename C::In**>(take(sizeof(void*) * g));
     r.d = reinterpret_cast<typename C::D**>(take(sizeof(void*) * g));
     r.sa = reinterpret_cast<typename C::StrideA*>(take(sizeof(typename C::StrideA) * g));
     r.sb = reinterpret_cast<typename C::StrideB*>(take(sizeof(typename C::StrideB) * g));
     r.sd = reinterpret_cast<typename C::StrideD*>(take(sizeof(typename C::StrideD) * g));
+    r.sfa = reinterpret_cast<const float**>(take(sizeof(void*) * g));
+    r.sfb = reinterpret_cast<const float**>(take(sizeof(void*) * g));
+    r.lsfa = reinterpret_cast<typename C::LayoutSFA*>(take(sizeof(typename C::LayoutSFA) * g));
+    r.lsfb = reinterpret_cast<typename C::LayoutSFB*>(take(sizeof(typename C::LayoutSFB) * g));
     r.sizes = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * g));
     r.total = reinterpret_cast<int64_t*>(take(sizeof(int64_t)));
     r.workspace = p;
@@ -117,8 +175,9 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
   __shared__ int64_t carry;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  const Bf16* a = static_cast<const Bf16*>(args.a);
-  const Bf16* b = static_cast<const Bf16*>(args.b);
+  using In = typename C::In;
+  const In* a = static_cast<const In*>(args.a);
+  const In* b = static_cast<const In*>(args.b);
   auto* out = static_cast<typename C::D*>(args.out);
   const int64_t H = args.h, F = args.f;
   for (int base = 0; base < args.num_groups; base += kPrepThreads) {
@@ -155,6 +214,29 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
         arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, int(F), 1});
         arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(H), int(F), 1});
         arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, int(H), 1});
+      } else if constexpr (kKind == GgKind::kForwardFp8) {
+        using namespace cute;
+        const int h = static_cast<int>(H), f = static_cast<int>(F);
+        const int kb = h / 128, nb = f / 128;
+        arr.shapes[g] = ProblemMNK(m, f, h);
+        arr.a[g] = a + start * H;
+        arr.b[g] = b + g * H * F;
+        arr.d[g] = out + start * F;
+        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, h, 1});
+        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {f, h, 1});
+        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, f, 1});
+        // x's scales, transposed: row r of 128-channel block k at
+        // [k * ld + r]; ld = all rows (contiguous) or the slot (masked).
+        const bool masked = args.group_stride > 0;
+        const int ld = static_cast<int>(masked ? args.group_stride : args.rows);
+        arr.sfa[g] = args.a_scales + (masked ? static_cast<int64_t>(g) * kb * ld : start);
+        arr.lsfa[g] = typename C::LayoutSFA(
+            make_shape(make_shape(Int<1>{}, m), make_shape(Int<128>{}, kb), 1),
+            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, ld), ld * kb));
+        arr.sfb[g] = args.b_scales + static_cast<int64_t>(g) * kb * nb;
+        arr.lsfb[g] = typename C::LayoutSFB(
+            make_shape(make_shape(Int<128>{}, nb), make_shape(Int<128>{}, kb), 1),
+            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, nb), nb * kb));
       } else {
         // K = m. A group with no rows gets no tiles (M = 0): CUTLASS leaves
         // the accumulators uninitialised when K is 0, so ZeroEmptyGroups
@@ -210,12 +292,16 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arr
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sms;
-  typename C::Gemm::Arguments g{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {args.num_groups, arr.shapes, nullptr},
-      {arr.a, arr.sa, arr.b, arr.sb},
-      {{}, nullptr, nullptr, arr.d, arr.sd},
-      hw};
+  typename C::Gemm::Arguments g{};
+  g.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  g.problem_shape = {args.num_groups, arr.shapes, nullptr};
+  if constexpr (C::kBlockScaled) {
+    g.mainloop = {arr.a, arr.sa, arr.b, arr.sb, arr.sfa, arr.lsfa, arr.sfb, arr.lsfb};
+  } else {
+    g.mainloop = {arr.a, arr.sa, arr.b, arr.sb};
+  }
+  g.epilogue = {{}, nullptr, nullptr, arr.d, arr.sd};
+  g.hw_info = hw;
   g.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
   g.epilogue.thread.alpha = 1.0f;
   g.epilogue.thread.beta = 0.0f;
@@ -243,7 +329,7 @@ const char* Run(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes
     ZeroEmptyGroups<<<grid, kZeroThreads, 0, stream>>>(static_cast<uint4*>(args.out), group_vecs,
                                                      arr.sizes);
   } else if (args.group_stride == 0) {
-    const int64_t width = kKind == GgKind::kForward ? args.f : args.h;
+    const int64_t width = kKind == GgKind::kTransW ? args.h : args.f;
     const int64_t row_vecs = width * int64_t(sizeof(typename C::D)) / 16;
     ZeroTailRows<<<2 * sms, kZeroThreads, 0, stream>>>(static_cast<uint4*>(args.out), row_vecs,
                                                       args.rows, arr.total);

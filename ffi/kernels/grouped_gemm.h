@@ -24,6 +24,10 @@ enum class GgKind : int {
   kTransW = 1,
   // out[g][H, F] = x[rows_g, H]^T @ dy[rows_g, F]       (dw)
   kWeightGrad = 2,
+  // out[rows_g, F] = (xq * xs)[rows_g, H] @ ((wq * ws)[g][F, H])^T: FP8 e4m3
+  // operands, f32 scales per (row, 128 channels) of x and per 128 x 128
+  // block of w, applied to the f32 accumulators (no dequantised copy).
+  kForwardFp8 = 3,
 };
 
 enum class GgOut : int { kBF16 = 0, kF32 = 1 };
@@ -34,8 +38,13 @@ struct GroupedGemmArgs {
   // kForward: a = x [rows, H], b = w [G, H, F], out [rows, F]
   // kTransW:  a = dy [rows, F], b = w [G, H, F], out [rows, H]
   // kWeightGrad: a = x [rows, H], b = dy [rows, F], out [G, H, F]
+  // kForwardFp8: a = xq [rows, H] e4m3, b = wq [G, F, H] e4m3 (K-major, as
+  //   FP8 wgmma needs), out [rows, F]; a_scales is x's scales transposed,
+  //   [H/128, rows] ([G, H/128, S] masked); b_scales [G, H/128, F/128].
   const void* a = nullptr;
   const void* b = nullptr;
+  const float* a_scales = nullptr;
+  const float* b_scales = nullptr;
   void* out = nullptr;
   const int32_t* group_sizes = nullptr;  // [G], on the device
   int num_groups = 0;
@@ -65,8 +74,10 @@ const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, size_t
 size_t GgScratchForward(const GroupedGemmArgs&, int sms);
 size_t GgScratchTransW(const GroupedGemmArgs&, int sms);
 size_t GgScratchWeightGrad(const GroupedGemmArgs&, int sms);
+size_t GgScratchForwardFp8(const GroupedGemmArgs&, int sms);
 const char* GgRunForward(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
 const char* GgRunTransW(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
 const char* GgRunWeightGrad(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
+const char* GgRunForwardFp8(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
 
 }  // namespace jax_ep

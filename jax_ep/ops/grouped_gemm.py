@@ -10,7 +10,12 @@ On NVIDIA GPUs (jax_ep built with CUDA) bf16 operands run on a CUTLASS
 Hopper grouped kernel (ffi/kernels/grouped_gemm.cuh); everywhere else, and
 for other dtypes, the reference is `lax.ragged_dot` (contiguous) or a masked
 batched einsum. Gradients are grouped GEMMs too: dx = dy @ w[g]^T per group,
-dw[g] = x_g^T @ dy_g. Design notes: docs/grouped_gemm.md.
+dw[g] = x_g^T @ dy_g.
+
+`grouped_matmul_fp8` / `masked_grouped_matmul_fp8` take dispatch's FP8 rows
+(e4m3 + per-128-channel scales) and FP8 weights with 128 x 128 block scales
+(`quantize_weights_fp8`), scaling the f32 accumulators on the fly: nothing
+is dequantised in memory. Forward only. Design notes: docs/grouped_gemm.md.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import _ffi, _native
+from jax_ep import _ffi, _native, fp8
 from jax_ep.ops._backend import _varying_axes
 
 Array = jax.Array
@@ -187,3 +192,114 @@ def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,
   _check(x, w, counts, masked=True, out_dtype=out_dtype, backend=backend)
   return _run(x, w, counts, out_dtype=out_dtype, stride=x.shape[1], backend=backend,
               num_sms=num_sms, reference=_masked_reference)
+
+
+# --- FP8 ---------------------------------------------------------------------
+
+
+def quantize_weights_fp8(w: Array) -> tuple[Array, Array]:
+  """w [G, H, F] -> (wq [G, F, H] e4m3, ws [G, H/128, F/128] f32).
+
+  One scale per 128 x 128 block, s = max(amax, 1e-4) / 448 (as fp8.quantize
+  does per row); wq is stored K-major ([G, F, H]), the layout FP8 tensor
+  cores read. w ≈ transpose(wq) * s per block.
+  """
+  g, h, f = w.shape
+  if h % fp8.BLOCK or f % fp8.BLOCK:
+    raise ValueError(f"H={h} and F={f} must be multiples of {fp8.BLOCK} for FP8 weights")
+  b = w.astype(jnp.float32).reshape(g, h // fp8.BLOCK, fp8.BLOCK, f // fp8.BLOCK, fp8.BLOCK)
+  s = jnp.maximum(jnp.max(jnp.abs(b), axis=(2, 4)), jnp.float32(fp8.AMAX_FLOOR)) * fp8.INV_E4M3_MAX
+  inv = fp8.reciprocal_rn(s)
+  q = fp8.to_e4m3(jnp.clip(b * inv[:, :, None, :, None], -fp8.E4M3_MAX, fp8.E4M3_MAX))
+  return jnp.transpose(q.reshape(g, h, f), (0, 2, 1)), s
+
+
+def dequantize_weights_fp8(wq: Array, ws: Array) -> Array:
+  """The inverse view of quantize_weights_fp8: [G, H, F] float32."""
+  g, f, h = wq.shape
+  v = jnp.transpose(wq.astype(jnp.float32), (0, 2, 1)).reshape(
+      g, h // fp8.BLOCK, fp8.BLOCK, f // fp8.BLOCK, fp8.BLOCK)
+  return (v * ws[:, :, None, :, None]).reshape(g, h, f)
+
+
+def _check_fp8(x, w, sizes, *, masked: bool, backend) -> None:
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+  if not (isinstance(x, tuple) and len(x) == 2 and isinstance(w, tuple) and len(w) == 2):
+    raise ValueError("x and w must be (e4m3 values, f32 scales) pairs")
+  (xq, xs), (wq, ws) = x, w
+  want = 3 if masked else 2
+  if xq.ndim != want or xq.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"x values must be float8_e4m3fn of rank {want}, got {xq.dtype} "
+                     f"{list(xq.shape)}")
+  if wq.ndim != 3 or wq.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"w values must be float8_e4m3fn [G, F, H], got {wq.dtype} {list(wq.shape)}")
+  g, f, h = wq.shape
+  if xq.shape[-1] != h or h % fp8.BLOCK or f % fp8.BLOCK:
+    raise ValueError(f"x's H={xq.shape[-1]} must equal w's H={h}; H and F multiples of 128")
+  if xs.shape != (*xq.shape[:-1], h // fp8.BLOCK) or xs.dtype != jnp.float32:
+    raise ValueError(f"x scales must be f32 {[*xq.shape[:-1], h // fp8.BLOCK]}, got "
+                     f"{xs.dtype} {list(xs.shape)}")
+  if ws.shape != (g, h // fp8.BLOCK, f // fp8.BLOCK) or ws.dtype != jnp.float32:
+    raise ValueError(f"w scales must be f32 [{g}, {h // fp8.BLOCK}, {f // fp8.BLOCK}], got "
+                     f"{ws.dtype} {list(ws.shape)}")
+  if masked and xq.shape[0] != g:
+    raise ValueError(f"x has {xq.shape[0]} groups but w has {g}")
+  if sizes.shape != (g,) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+    raise ValueError(f"group sizes must be [G] = [{g}] integers, got {sizes.dtype} "
+                     f"{list(sizes.shape)}")
+
+
+def _run_fp8(x, w, sizes, *, masked: bool, backend, num_sms):
+  (xq, xs), (wq, ws) = x, w
+  sizes = sizes.astype(jnp.int32)
+
+  def ref(xq, xs, wq, ws, sizes):
+    xd = fp8.dequantize(xq, xs, jnp.float32)
+    wd = dequantize_weights_fp8(wq, ws)
+    if masked:
+      return _masked_reference(xd, wd, sizes, out_dtype=jnp.dtype(jnp.bfloat16))
+    return _ragged_reference(xd, wd, sizes, out_dtype=jnp.dtype(jnp.bfloat16))
+
+  def kernel(xq, xs, wq, ws, sizes):
+    # The kernel reads x's scales M-major: one small transpose ([H/128, M]).
+    xs_t = jnp.swapaxes(xs, -1, -2)
+    out = _ffi.grouped_gemm_fp8_cuda(xq, xs_t, wq, ws, sizes,
+                                     group_stride=xq.shape[1] if masked else 0,
+                                     num_sms=num_sms or 0)
+    return _match_vma(out, xq, wq, sizes)
+
+  args = (xq, xs, wq, ws, sizes)
+  if backend == "reference" or (backend in (None, "auto") and not _native.cuda_built()):
+    return ref(*args)
+  if backend == "cuda":
+    if not _native.cuda_built():
+      raise ValueError("backend='cuda': jax_ep was built without its CUDA kernels")
+    return kernel(*args)
+  return lax.platform_dependent(*args, default=ref, cuda=kernel)
+
+
+def grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], group_sizes: Array, *,
+                       backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
+  """grouped_matmul on FP8 operands with fine-grained scales; bf16 out.
+
+  Args:
+    x: (xq [M, H] e4m3, xs [M, H/128] f32), as dispatch(fp8=True) returns them
+      (x ≈ xq * xs per 128 channels).
+    w: (wq [G, F, H] e4m3, ws [G, H/128, F/128] f32) from quantize_weights_fp8.
+    group_sizes: [G] integers on the device; rows past the groups give zeros.
+  Returns:
+    [M, F] bf16: f32 accumulation, each 128-wide K slice scaled by its two
+    scales before it is added. Not differentiable (forward/inference only).
+  """
+  _check_fp8(x, w, group_sizes, masked=False, backend=backend)
+  return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
+
+
+def masked_grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], counts: Array, *,
+                              backend: Optional[str] = None,
+                              num_sms: Optional[int] = None) -> Array:
+  """masked_grouped_matmul on FP8 operands: x = (xq [G, S, H], xs [G, S, H/128])
+  as low_latency_dispatch returns them; rows past counts[g] are unspecified."""
+  _check_fp8(x, w, counts, masked=True, backend=backend)
+  return _run_fp8(x, w, counts, masked=True, backend=backend, num_sms=num_sms)

@@ -98,19 +98,21 @@ def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
   return out
 
 
-def grouped_gemm_fp8_cuda(xq: Array, xs_t: Array, wq: Array, ws: Array, group_sizes: Array, *,
+def grouped_gemm_fp8_cuda(xq: Array, xs: Array, wq: Array, ws: Array, group_sizes: Array, *,
                           group_stride: int = 0, num_sms: int = 0) -> Array:
   """FP8 grouped forward (ffi/kernels/grouped_gemm.h, kForwardFp8).
 
-  xq [M, H] (or [G, S, H]) e4m3; xs_t [H/128, M] (or [G, H/128, S]) f32,
-  x's per-(row, 128 channels) scales transposed; wq [G, F, H] e4m3 (K-major);
-  ws [G, H/128, F/128] f32 block scales. Returns [M, F] (or [G, S, F]) bf16.
+  xq [M, H] (or [G, S, H]) e4m3; xs [M, H/128] (or [G, S, H/128]) f32, x's
+  per-(row, 128 channels) scales; wq [G, F, H] e4m3 (K-major); ws
+  [G, H/128, F/128] f32 block scales. Returns [M, F] (or [G, S, F]) bf16.
   """
   out_shape = (*xq.shape[:-1], wq.shape[1])
-  ws_bytes = _grouped_gemm_workspace_bytes(GG_FORWARD_FP8, False, group_sizes.shape[0])
+  rows = int(np.prod(xq.shape[:-1]))
+  ws_bytes = _grouped_gemm_workspace_bytes(GG_FORWARD_FP8, False, group_sizes.shape[0],
+                                           rows, xq.shape[-1])
   out, _ = _call("jax_ep_grouped_gemm_fp8", (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
                                              jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8)))(
-      xq, xs_t, wq, ws, group_sizes, group_stride=np.int64(group_stride),
+      xq, xs, wq, ws, group_sizes, group_stride=np.int64(group_stride),
       num_sms=np.int32(num_sms))
   return out
 
@@ -121,6 +123,7 @@ _WORKSPACE_SMS = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _grouped_gemm_workspace_bytes(kind: int, out_f32: bool, num_groups: int) -> int:
+def _grouped_gemm_workspace_bytes(kind: int, out_f32: bool, num_groups: int, rows: int = 0,
+                                  hidden: int = 0) -> int:
   return int(_native.module().grouped_gemm_workspace_bytes(kind, bool(out_f32), num_groups,
-                                                           _WORKSPACE_SMS))
+                                                           _WORKSPACE_SMS, rows, hidden))

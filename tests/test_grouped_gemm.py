@@ -213,6 +213,6 @@ def test_cuda_lowering_of_fp8_holds_the_fp8_call(masked):
            jax.ShapeDtypeStruct((G, H // 128, F // 128), jnp.float32)),
           jax.ShapeDtypeStruct((G,), jnp.int32))
   checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm_fp8")]
-  text = jax.export.export(jax.jit(op), platforms=["cuda"], disabled_checks=checks)(
-      *args).mlir_module()
+  f = jax.jit(lambda x, w, s: op(x, w, s, backend="cuda"))
+  text = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
   assert text.count("custom_call @jax_ep_grouped_gemm_fp8") == 1

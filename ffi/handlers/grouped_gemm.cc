@@ -118,8 +118,8 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
   return Launch(g, stream, device_ordinal, num_sms, *workspace);
 }
 
-// kForwardFp8: xq [rows, H] (or [G, S, H]) e4m3, xs_t [H/128, rows] (or
-// [G, H/128, S]) f32, wq [G, F, H] e4m3, ws [G, H/128, F/128] f32 -> out
+// kForwardFp8: xq [rows, H] (or [G, S, H]) e4m3, xs [rows, H/128] (or
+// [G, S, H/128]) f32, wq [G, F, H] e4m3, ws [G, H/128, F/128] f32 -> out
 // [rows, F] (or [G, S, F]) bf16.
 ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal,
                                  int64_t group_stride, int32_t num_sms, ffi::AnyBuffer a,
@@ -153,7 +153,7 @@ ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal,
   g.group_stride = group_stride;
   if (static_cast<int64_t>(a_scales.element_count()) != g.rows * (g.h / 128) ||
       static_cast<int64_t>(b_scales.element_count()) != g.num_groups * (g.h / 128) * (g.f / 128)) {
-    return Invalid("FP8: scales must be [H/128, M] (or [G, H/128, S]) and [G, H/128, F/128]");
+    return Invalid("FP8: scales must be [M, H/128] (or [G, S, H/128]) and [G, H/128, F/128]");
   }
   if (static_cast<int64_t>(out->element_count()) != g.rows * g.f) {
     return Invalid("output shape does not match the operands");

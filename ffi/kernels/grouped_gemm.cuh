@@ -125,19 +125,27 @@ struct Arrays {
   const float** sfb;
   typename C::LayoutSFA* lsfa;
   typename C::LayoutSFB* lsfb;
-  int32_t* sizes;  // effective (clamped) rows per group
-  int64_t* total;  // rows covered by the groups (contiguous form)
+  int32_t* sizes;   // effective (clamped) rows per group
+  int64_t* starts;  // first row of each group
+  int64_t* total;   // rows covered by the groups (contiguous form)
+  float* sfa_grouped;  // FP8: x's scales regrouped per group (RegroupScales)
   void* workspace;
 
   static size_t Align(size_t n) { return (n + 255) & ~size_t{255}; }
-  static size_t ArraysBytes(int g) {
+  static size_t RegroupBytes(const GroupedGemmArgs& args) {
+    return C::kBlockScaled ? Align(sizeof(float) * args.rows * (args.h / 128)) : 0;
+  }
+  static size_t ArraysBytes(const GroupedGemmArgs& args) {
+    const int g = args.num_groups;
     return Align(sizeof(ProblemMNK) * g) + 3 * Align(sizeof(void*) * g) +
            Align(sizeof(typename C::StrideA) * g) + Align(sizeof(typename C::StrideB) * g) +
            Align(sizeof(typename C::StrideD) * g) + 2 * Align(sizeof(void*) * g) +
            Align(sizeof(typename C::LayoutSFA) * g) + Align(sizeof(typename C::LayoutSFB) * g) +
-           Align(sizeof(int32_t) * g) + Align(sizeof(int64_t));
+           Align(sizeof(int32_t) * g) + Align(sizeof(int64_t) * g) + Align(sizeof(int64_t)) +
+           RegroupBytes(args);
   }
-  static Arrays Carve(void* base, int g) {
+  static Arrays Carve(void* base, const GroupedGemmArgs& args) {
+    const int g = args.num_groups;
     char* p = static_cast<char*>(base);
     Arrays r;
     auto take = [&](size_t n) {
@@ -157,7 +165,9 @@ struct Arrays {
     r.lsfa = reinterpret_cast<typename C::LayoutSFA*>(take(sizeof(typename C::LayoutSFA) * g));
     r.lsfb = reinterpret_cast<typename C::LayoutSFB*>(take(sizeof(typename C::LayoutSFB) * g));
     r.sizes = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * g));
+    r.starts = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * g));
     r.total = reinterpret_cast<int64_t*>(take(sizeof(int64_t)));
+    r.sfa_grouped = reinterpret_cast<float*>(take(RegroupBytes(args)));
     r.workspace = p;
     return r;
   }
@@ -198,6 +208,7 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
     const int m = static_cast<int>(rows);
     if (live) {
       arr.sizes[g] = m;
+      arr.starts[g] = start;
       if constexpr (kKind == GgKind::kForward) {
         arr.shapes[g] = ProblemMNK(m, static_cast<int>(F), static_cast<int>(H));
         arr.a[g] = a + start * H;
@@ -225,14 +236,15 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
         arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, h, 1});
         arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {f, h, 1});
         arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, f, 1});
-        // x's scales, transposed: row r of 128-channel block k at
-        // [k * ld + r]; ld = all rows (contiguous) or the slot (masked).
-        const bool masked = args.group_stride > 0;
-        const int ld = static_cast<int>(masked ? args.group_stride : args.rows);
-        arr.sfa[g] = args.a_scales + (masked ? static_cast<int64_t>(g) * kb * ld : start);
+        // CUTLASS's grouped blockwise kernel ignores these layouts and
+        // derives each group's from its problem shape: x's scales M-major and
+        // compact per group ([H/128, M_g]), w's [H/128, F/128]. RegroupScales
+        // writes x's that way; the layouts below say the same.
+        const int64_t slot = args.group_stride > 0 ? g * args.group_stride : start;
+        arr.sfa[g] = arr.sfa_grouped + slot * kb;
         arr.lsfa[g] = typename C::LayoutSFA(
             make_shape(make_shape(Int<1>{}, m), make_shape(Int<128>{}, kb), 1),
-            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, ld), ld * kb));
+            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, m), m * kb));
         arr.sfb[g] = args.b_scales + static_cast<int64_t>(g) * kb * nb;
         arr.lsfb[g] = typename C::LayoutSFB(
             make_shape(make_shape(Int<128>{}, nb), make_shape(Int<128>{}, kb), 1),
@@ -274,6 +286,37 @@ __global__ void ZeroTailRows(uint4* out, int64_t row_vecs, int64_t rows, const i
   }
 }
 
+// FP8: x's scales, [rows, H/128] as quantize/dispatch give them, rewritten
+// per group as the kernel reads them: group g's block [H/128, M_g] (row m of
+// 128-channel block k at k * M_g + m) at offset slot_g * H/128. Rows outside
+// every group are skipped.
+__global__ void RegroupScales(const float* xs, float* out, int64_t rows, int kb, int groups,
+                              int64_t group_stride, const int64_t* starts, const int32_t* sizes,
+                              const int64_t* total) {
+  const int64_t n = rows * kb;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / kb;
+    const int k = static_cast<int>(i % kb);
+    int g;
+    if (group_stride > 0) {
+      g = static_cast<int>(r / group_stride);
+    } else {
+      if (r >= *total) continue;
+      int lo = 0, hi = groups;  // last group whose start is <= r
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (starts[mid] <= r) lo = mid; else hi = mid;
+      }
+      g = lo;
+    }
+    const int64_t m = r - starts[g];
+    if (m < 0 || m >= sizes[g]) continue;
+    const int64_t slot = group_stride > 0 ? g * group_stride : starts[g];
+    out[slot * kb + int64_t(k) * sizes[g] + m] = xs[i];
+  }
+}
+
 // Weight-gradient groups that received no rows are zeros.
 __global__ void ZeroEmptyGroups(uint4* out, int64_t group_vecs, const int32_t* sizes) {
   if (sizes[blockIdx.y] > 0) return;
@@ -310,8 +353,8 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arr
 
 template <class C>
 size_t ScratchBytes(const GroupedGemmArgs& args, int sms) {
-  const Arrays<C> fake = Arrays<C>::Carve(nullptr, args.num_groups);
-  return Arrays<C>::ArraysBytes(args.num_groups) +
+  const Arrays<C> fake = Arrays<C>::Carve(nullptr, args);
+  return Arrays<C>::ArraysBytes(args) +
          C::Gemm::get_workspace_size(MakeArguments<C>(args, fake, sms));
 }
 
@@ -319,9 +362,16 @@ template <class C, GgKind kKind>
 const char* Run(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes, int sms,
                 cudaStream_t stream) {
   if (scratch_bytes < ScratchBytes<C>(args, sms)) return "scratch smaller than the op needs";
-  const Arrays<C> arr = Arrays<C>::Carve(scratch, args.num_groups);
+  const Arrays<C> arr = Arrays<C>::Carve(scratch, args);
   PrepGroups<C, kKind><<<1, kPrepThreads, 0, stream>>>(args, arr);
   if (cudaGetLastError() != cudaSuccess) return "prep kernel launch failed";
+  if constexpr (C::kBlockScaled) {
+    RegroupScales<<<2 * sms, 256, 0, stream>>>(args.a_scales, arr.sfa_grouped, args.rows,
+                                               static_cast<int>(args.h / 128), args.num_groups,
+                                               args.group_stride, arr.starts, arr.sizes,
+                                               arr.total);
+    if (cudaGetLastError() != cudaSuccess) return "scale regroup launch failed";
+  }
   constexpr int kZeroThreads = 256;
   if constexpr (kKind == GgKind::kWeightGrad) {
     const int64_t group_vecs = args.h * args.f * int64_t(sizeof(typename C::D)) / 16;

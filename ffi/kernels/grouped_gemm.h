@@ -39,8 +39,8 @@ struct GroupedGemmArgs {
   // kTransW:  a = dy [rows, F], b = w [G, H, F], out [rows, H]
   // kWeightGrad: a = x [rows, H], b = dy [rows, F], out [G, H, F]
   // kForwardFp8: a = xq [rows, H] e4m3, b = wq [G, F, H] e4m3 (K-major, as
-  //   FP8 wgmma needs), out [rows, F]; a_scales is x's scales transposed,
-  //   [H/128, rows] ([G, H/128, S] masked); b_scales [G, H/128, F/128].
+  //   FP8 wgmma needs), out [rows, F]; a_scales [rows, H/128] (x's scales as
+  //   quantize/dispatch give them); b_scales [G, H/128, F/128].
   const void* a = nullptr;
   const void* b = nullptr;
   const float* a_scales = nullptr;
@@ -58,8 +58,10 @@ struct GroupedGemmArgs {
   int num_sms = 0;  // 0: all of the device's
 };
 
-// Bytes of device scratch one call needs: the per-group arrays plus
-// CUTLASS's own workspace (tensor maps per SM).
+// Bytes of device scratch one call needs: the per-group arrays (for FP8
+// also x's scales regrouped, rows * H/128 floats) plus CUTLASS's own
+// workspace (tensor maps per SM). Reads kind, out_dtype, num_groups, and for
+// FP8 rows and h.
 size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int device_sms);
 
 // Enqueues the whole op on `stream`: prep, the grouped kernel, and the zero

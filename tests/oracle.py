@@ -470,3 +470,22 @@ def engram_grad_terms(V: int, indices: np.ndarray, g: np.ndarray):
     np.add.at(n, indices[valid], 1)
     np.add.at(abs_sum, indices[valid], np.abs(g[valid]).astype(np.float64))
     return n, abs_sum
+
+
+def stable_seed(*parts) -> int:
+  """A seed from test parameters that is the same in every process (Python
+  salts str hashes per process, so hash() would make failures unrepeatable)."""
+  import zlib
+  return zlib.crc32(repr(parts).encode())
+
+
+def grouped_matmul(x, w, sizes) -> np.ndarray:
+  """float64 products of group g's rows (contiguous, in order) with w[g];
+  rows past the last group are zero."""
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  out = np.zeros((x.shape[0], w.shape[2]))
+  start = 0
+  for g, n in enumerate(sizes):
+    out[start:start + n] = x64[start:start + n] @ w64[g]
+    start += n
+  return out

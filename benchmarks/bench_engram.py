@@ -1,4 +1,4 @@
-"""DESIGN §6 "Engram" benchmark: remote-row lookups at EP=2 on one host.
+"""docs/design.md §6 "Engram" benchmark: remote-row lookups at EP=2 on one host.
 
 524288 rows/rank of D=128 (bf16, and FP8 e4m3 payload with replicated f32
 row scales), 512 tokens x 24 rows per rank, indices uniform over the global
@@ -43,7 +43,7 @@ class Shape:
   dim: int = 128
   tokens: int = 512
   rows_per_token: int = 24
-  ranks: int = int(os.environ.get("JAX_EP_BENCH_RANKS", "2"))  # EP size (DESIGN §6: 2)
+  ranks: int = int(os.environ.get("JAX_EP_BENCH_RANKS", "2"))  # EP size (docs/design.md §6: 2)
 
 
 def _tables(shape: Shape, mesh):

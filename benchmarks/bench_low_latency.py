@@ -1,4 +1,4 @@
-"""DESIGN §6 "Low-latency" benchmark: decode-sized dispatch / combine at EP=2.
+"""docs/design.md §6 "Low-latency" benchmark: decode-sized dispatch / combine at EP=2.
 
 128 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
 max_tokens = 128, FP8 (cast in the op) and BF16 dispatch, BF16 combine.

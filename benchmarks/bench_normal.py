@@ -1,4 +1,4 @@
-"""DESIGN §6 "Normal" benchmark: MoE dispatch / combine at EP=2 on one host.
+"""docs/design.md §6 "Normal" benchmark: MoE dispatch / combine at EP=2 on one host.
 
 4096 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
 BF16 and FP8 dispatch, BF16 combine, rank layout (DeepEP "normal"). Measured in
@@ -47,7 +47,7 @@ class Shape:
   hidden: int = 7168
   topk: int = 8
   experts: int = 256
-  ranks: int = int(os.environ.get("JAX_EP_BENCH_RANKS", "2"))  # EP size (DESIGN §6: 2)
+  ranks: int = int(os.environ.get("JAX_EP_BENCH_RANKS", "2"))  # EP size (docs/design.md §6: 2)
 
 
 # ---------------------------------------------------------------- helpers

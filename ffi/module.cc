@@ -16,4 +16,14 @@ NB_MODULE(_jax_ep, m) {
 #else
   m.attr("cuda_built") = false;
 #endif
+  // What CMake found when this module was built (CMakeLists.txt).
+  nb::dict info;
+  info["cuda_built"] = m.attr("cuda_built");
+  info["why_not_cuda"] = JAX_EP_BUILD_REASON;
+  info["jaxlib_at_build"] = JAX_EP_BUILD_JAXLIB;
+  info["cuda_toolkit"] = JAX_EP_BUILD_CUDA;
+  info["cuda_archs"] = JAX_EP_BUILD_ARCHS;
+  info["nccl_headers"] = JAX_EP_BUILD_NCCL;
+  info["cutlass_headers"] = JAX_EP_BUILD_CUTLASS;
+  m.attr("build_info") = info;
 }

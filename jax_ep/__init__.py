@@ -21,7 +21,7 @@ from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_don
                                     low_latency_dispatch_done, low_latency_dispatch_start)
 from jax_ep.reference import default_capacity
 
-from jax_ep._native import cuda_available
+from jax_ep._native import build_info, cuda_available
 from jax_ep.comm import Communicator, get_buffer_size_hint
 
 __version__ = "0.1.0"
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "DispatchHandle", "DispatchOutput", "EpRuntimeError", "Layout",
-    "LowLatencyDispatchOutput", "LowLatencyHandle", "combine", "cuda_available",
+    "LowLatencyDispatchOutput", "LowLatencyHandle", "build_info", "combine", "cuda_available",
     "default_capacity", "dequantize", "dequantize_weights_fp8", "dispatch", "engram_fetch",
     "engram_fetch_start", "engram_fetch_wait", "get_buffer_size_hint", "get_dispatch_layout",
     "grouped_matmul", "grouped_matmul_fp8", "low_latency_combine", "low_latency_combine_done",

@@ -42,15 +42,44 @@ def cuda_built() -> bool:
   return bool(m is not None and getattr(m, "cuda_built", False))
 
 
+def build_info() -> dict:
+  """What this installation of jax_ep was built with: `cuda_built`, and if not
+  `why_not_cuda`; the CUDA toolkit, architectures, NCCL and CUTLASS headers
+  and the jaxlib it was compiled against. Without the native module at all,
+  says that."""
+  m = _module()
+  if m is None:
+    return {"cuda_built": False, "why_not_cuda": "the native module jax_ep._jax_ep is missing "
+            "(install with pip so that it is compiled)"}
+  info = dict(getattr(m, "build_info", {"cuda_built": cuda_built()}))
+  if info.get("cuda_built"):
+    info.pop("why_not_cuda", None)
+  return info
+
+
+_warned_cpu_build = False
+
+
 def cuda_available() -> bool:
-  """True when jax_ep was built with CUDA and JAX sees at least one CUDA GPU."""
-  if not cuda_built():
-    return False
+  """True when jax_ep was built with CUDA and JAX sees at least one CUDA GPU.
+
+  On a machine with GPUs but a build without the kernels, warns once and says
+  why (see build_info())."""
   import jax
   try:
-    return len(jax.devices("cuda")) > 0
+    has_gpu = len(jax.devices("cuda")) > 0
   except RuntimeError:
+    has_gpu = False
+  if has_gpu and not cuda_built():
+    global _warned_cpu_build
+    if not _warned_cpu_build:
+      _warned_cpu_build = True
+      import warnings
+      warnings.warn("jax_ep was built without its CUDA kernels: "
+                    f"{build_info().get('why_not_cuda', 'unknown')}; the ops run the pure-JAX "
+                    "reference. Rebuild with JAX_EP_CUDA=ON (README).", stacklevel=2)
     return False
+  return has_gpu
 
 
 def ensure_registered() -> None:

@@ -4,7 +4,7 @@ CPU/TPU path.
 All functions run inside `shard_map` over the EP axis and see one rank's
 shard. They move data with `all_gather` / `all_to_all` and place rows with
 sorts and gathers (no Python loops over tokens), in exactly the row order of
-DESIGN.md §2, so the CUDA kernels can be checked against them bitwise.
+docs/design.md §2, so the CUDA kernels can be checked against them bitwise.
 
 Combine-like reductions accumulate in float32 as `acc = acc + w * y`, one
 product and one add per row, in the fixed order: ascending rank of the row,
@@ -31,9 +31,19 @@ Array = jax.Array
 # ---------------------------------------------------------------- helpers
 
 def axis_size(axis_name: str) -> int:
-  if hasattr(lax, "axis_size"):
-    return lax.axis_size(axis_name)
-  return lax.psum(1, axis_name)
+  """Ranks on the EP axis. Outside shard_map (or with a wrong axis name)
+  jax's bare `NameError: unbound axis name` becomes a ValueError that says
+  what to do."""
+  try:
+    if hasattr(lax, "axis_size"):
+      return lax.axis_size(axis_name)
+    return lax.psum(1, axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not bound here: jax_ep ops run per rank inside shard_map "
+        f"over the expert-parallel mesh axis, e.g. jax_ep.shard_map(f, mesh, "
+        f"axis_name={axis_name!r}) or jax.shard_map(f, mesh=mesh, ...), and axis_name must "
+        f"name that axis ({e})") from e
 
 
 def _gather(x: Array, axis_name: str) -> Array:
@@ -127,7 +137,7 @@ def _layout(topk_idx: Array, num_experts: int, num_ranks: int) -> tuple[Layout, 
 
 def default_capacity(*, layout: str, num_tokens: int, num_ranks: int, topk: int,
                      num_experts: int, expert_alignment: int = 1) -> int:
-  """Worst-case received rows for one rank (DESIGN §2: C defaults to it)."""
+  """Worst-case received rows for one rank (docs/design.md §2: C defaults to it)."""
   if layout == "rank":
     return num_ranks * num_tokens
   e_l = num_experts // num_ranks
@@ -151,7 +161,7 @@ def dispatch(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_expe
 
 def _route(topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, capacity: int,
            expert_alignment: int, axis_name: str) -> DispatchHandle:
-  """Where every received row comes from, in DESIGN §2 order."""
+  """Where every received row comes from, in docs/design.md §2 order."""
   t, k = topk_idx.shape
   r = lax.axis_index(axis_name)
   e_l = num_experts // num_ranks

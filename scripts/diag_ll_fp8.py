@@ -1,4 +1,4 @@
-"""Diagnoses test_gpu_low_latency's FP8 mismatch (DESIGN shape, fused): runs
+"""Diagnoses test_gpu_low_latency's FP8 mismatch (docs/design.md §6 shape, fused): runs
 the low-latency dispatch with the CUDA backend and the reference on 2 GPUs,
 and for each byte that differs recomputes the quantisation in numpy (IEEE
 float32 steps, ml_dtypes rounding) to say which side follows jax_ep/fp8.py."""

@@ -1,4 +1,4 @@
-"""Brute-force NumPy oracle for jax_ep (DESIGN.md §2), written independently of
+"""Brute-force NumPy oracle for jax_ep (docs/design.md §2), written independently of
 jax_ep.reference: plain Python loops over ranks and tokens, float32 numpy math.
 
 Conventions: per-rank inputs are stacked on a leading rank axis, e.g.
@@ -325,7 +325,7 @@ def fma_f32(a, b, c) -> np.ndarray:
 # multiply-add; a CUDA kernel does the same with fmaf. The contract fixes the
 # order of the sum; whether each step is fused is the compiler's choice, so the
 # exact checks accept the fixed-order sum with every step unfused OR with every
-# step fused (both bitwise).  Reported to the lead (DESIGN.md §2 wording).
+# step fused (both bitwise).  Reported to the lead (docs/design.md §2 wording).
 COMBINE_STEP_MODES = ("plain", "fma")
 EXACT_MATCH_TALLY: "collections.Counter[str]" = collections.Counter()
 

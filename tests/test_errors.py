@@ -1,4 +1,4 @@
-"""Errors (DESIGN.md §4): trace-time ValueErrors that name the argument, and
+"""Errors (docs/design.md §4): trace-time ValueErrors that name the argument, and
 device-side errors (bad expert id, capacity overflow) raised as exceptions at
 the latest at block_until_ready, never a silent drop; the next good call works."""
 from __future__ import annotations
@@ -183,3 +183,24 @@ def test_capacity_overflow_by_one_row_is_detected():
 
     with pytest.raises(Exception, match="(?i)capacity"):
         jax.block_until_ready(sharded(R, fn)(x, idx, w))
+
+
+def test_ops_outside_shard_map_or_on_a_wrong_axis_say_what_to_do():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+
+  import jax_ep
+  x = jnp.ones((4, 128), jnp.bfloat16)
+  idx = jnp.zeros((4, 2), jnp.int32)
+  w = jnp.ones((4, 2), jnp.float32)
+  with pytest.raises(ValueError, match="inside shard_map"):
+    jax_ep.dispatch(x, idx, w, num_experts=8)
+  with pytest.raises(ValueError, match="inside shard_map"):
+    jax_ep.get_dispatch_layout(idx, num_experts=8)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("experts",))
+  f = jax_ep.shard_map(lambda i: jax_ep.get_dispatch_layout(i, num_experts=8).num_tokens_per_rank,
+                       mesh, axis_name="experts")
+  with pytest.raises(ValueError, match="axis_name='ep'"):
+    jax.jit(f)(jnp.zeros((8, 2), jnp.int32))

@@ -322,7 +322,7 @@ def test_combine_after_failed_dispatch_reports_without_stalling(comm, layout):
 
   def failing_pair():
     """Errors surface through comm.check(), or from a later op of the same
-    program when its handler already sees the status word (DESIGN §4: at the
+    program when its handler already sees the status word (docs/design.md §4: at the
     latest at the next call). True when it surfaced in the program: that
     device then never enqueued its combine, so the peer's combine waits out
     the peer timeout (an error, not a hang)."""

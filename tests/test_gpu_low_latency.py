@@ -30,7 +30,7 @@ def comm(gpu_comm):
 
 
 @pytest.mark.parametrize("T,H,K,E,mt,fp8,split", [
-    (128, 7168, 8, 256, 128, True, False),   # DESIGN §6 low-latency shape
+    (128, 7168, 8, 256, 128, True, False),   # docs/design.md §6 low-latency shape
     (128, 7168, 8, 256, 128, False, True),
     (37, 2048, 6, 64, 64, True, True),
     (1, 128, 1, 8, 4, False, False),

@@ -1,5 +1,5 @@
 // The FFI state shared by every jax_ep handler: created once per call site
-// per executable by the instantiate stage and, as measured (DESIGN §3), shared
+// per executable by the instantiate stage and, as measured (docs/design.md §3), shared
 // by all local GPUs of that executable; execute picks its device by ordinal.
 #pragma once
 

@@ -2,7 +2,7 @@
 // (and its weight) back into the source rank's window, at a slot the source
 // can find without any index exchange: rank layout [my rank][pos_in_rank],
 // expert layout [token][k]. Reducers on the source wait per chunk of rows
-// (window_layout.h) and sum each token's rows in the fixed order of DESIGN §2
+// (window_layout.h) and sum each token's rows in the fixed order of docs/design.md §2
 // (ascending destination rank, then local expert, then k) in f32 with
 // __fmul_rn / __fadd_rn (never contracted to FMA), which is exactly
 // jax_ep.reference.combine, while later chunks are still in flight.
@@ -191,7 +191,7 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
 //    source's chunk counter (chunk of pos, resp. of t).
 //  - CTAs [S, S + Q) reduce this rank's tokens in ascending order: each
 //    waits for the chunks its rows are in, then sums them in the fixed
-//    order of DESIGN §2 (ascending rank, then local expert, then k) with
+//    order of docs/design.md §2 (ascending rank, then local expert, then k) with
 //    __fmul_rn / __fadd_rn, exactly jax_ep.reference.combine. In rank
 //    layout a token's own-rank row is read straight from y.
 template <typename TY, bool kHasW>

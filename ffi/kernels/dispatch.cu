@@ -792,7 +792,7 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     // to remote store completion -> ~0.9 MB. One CTA of 32 warps with
     // kUnroll 16-byte loads per lane keeps 64 KiB in flight -> ~14 CTAs for
     // the link. The same kernels also copy the local 1/R share of the rows
-    // through HBM, so scale by R/(R-1); cap at 24 SMs (DESIGN §6 budget,
+    // through HBM, so scale by R/(R-1); cap at 24 SMs (docs/design.md §6 budget,
     // DeepEP's default) so the op leaves the rest of the GPU to compute.
     const double bytes_in_flight = 450e9 * 2e-6;
     const double per_cta = warps_per_block * 32.0 * kUnroll * 16.0;

@@ -5,7 +5,7 @@
 // threads take consecutive items, so the stores are coalesced and the 16 (bf16,
 // D = 128) or 8 (FP8) threads of one row read its whole 256 / 128 bytes from
 // the owner's window in one transaction. Each thread keeps kUnroll loads in
-// flight before it stores (DESIGN §5: bytes in flight, not SM count, set the
+// flight before it stores (benchmarks/RESULTS.md: bytes in flight, not SM count, set the
 // NVLink rate).
 #include "engram.cuh"
 #include "ep_copy.cuh"

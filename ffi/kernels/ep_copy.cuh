@@ -15,7 +15,7 @@
 namespace jax_ep {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kUnroll = 4;    // 16-byte loads in flight per lane (DESIGN §5)
+constexpr int kUnroll = 4;    // 16-byte loads in flight per lane (benchmarks/RESULTS.md)
 constexpr int kMaxTopk = 32;  // one lane per top-k slot
 
 // Data that no one writes while the kernel runs (inputs x, y; a peer window

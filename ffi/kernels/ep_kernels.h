@@ -1,5 +1,5 @@
 // Host-side launchers of the normal (high-throughput) dispatch and combine.
-// Semantics: DESIGN §2 and jax_ep/reference.py (bitwise for dispatch, same
+// Semantics: docs/design.md §2 and jax_ep/reference.py (bitwise for dispatch, same
 // f32 order for combine). Window layout: window_layout.h.
 //
 // Both ops are a short sequence of kernels on one stream (a kernel boundary

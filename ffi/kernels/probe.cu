@@ -18,7 +18,7 @@ constexpr size_t kVec = 16;
 
 __host__ __device__ __forceinline__ size_t SlotBytes(size_t row_bytes) { return (row_bytes + kVec - 1) / kVec * kVec; }
 
-// The NCCL 2.28 wait() spins without bound; DESIGN §4 forbids endless
+// The NCCL 2.28 wait() spins without bound; docs/design.md §4 forbids endless
 // spins, so the wait half is ours: it polls the same inbox words with the
 // same epoch convention as the library's unicast path and gives up after the
 // communicator's timeout. Newer NCCL releases may change that internal state,

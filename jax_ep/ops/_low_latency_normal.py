@@ -1,6 +1,6 @@
 """Low-latency dispatch / combine built from the normal ops (expert layout).
 
-The low-latency contract (DESIGN §2) is the expert layout with a fixed
+The low-latency contract (docs/design.md §2) is the expert layout with a fixed
 [E_l, R * max_tokens] grid per expert instead of packed groups: the rows of
 local expert l are exactly the expert-layout group of l, in the same
 (source rank, token, k) order. So:
@@ -91,8 +91,8 @@ def combine_via_normal(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arra
 def _packed_sources(counts: jax.Array, m: int, capacity: int) -> jax.Array:
   """[capacity] grid row (l * m + i) that packed row p comes from, -1 past the
   last group: the inverse of _grid_rows. A gather of the few packed rows
-  instead of a scatter over the whole [E_l, m] grid (470 MB at the DESIGN
-  shape, where the scatter took ~3 ms on H200)."""
+  instead of a scatter over the whole [E_l, m] grid (470 MB at the low-latency
+  shape of docs/design.md §6, where the scatter took ~3 ms on H200)."""
   ends = jnp.cumsum(counts)
   p = jnp.arange(capacity, dtype=jnp.int32)
   l = jnp.searchsorted(ends, p, side="right").astype(jnp.int32)

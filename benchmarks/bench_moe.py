@@ -1,0 +1,343 @@
+"""MoE training step (docs/design.md §6 "MoE step"): one MoE layer's jitted
+forward + backward, jax_ep against the MoE layers a JAX user would write.
+
+Shape: T = 4096 tokens/rank, H = 7168, expert width F = 2048, top-8 of 256
+experts, bf16 parameters and activations, over every GPU found (EP = R). In
+one run, each variant warmed up before any is timed:
+
+  jax_ep               dispatch (expert layout) -> grouped_matmul -> gelu ->
+                       grouped_matmul -> combine: the kernels on GPU
+  reference            the same layer with dispatch / combine on jax_ep's
+                       pure-JAX reference backend (the expert GEMMs stay on
+                       grouped_matmul: ragged_dot's backward does not fit)
+  jax_native_dense_a2a one row per (token, destination rank) + dense
+                       all_to_all, a local slot assignment per expert with a
+                       capacity factor, padded batched matmuls, and back: the
+                       strongest JAX-native layer we know (drops past capacity)
+  expert_gemms         jax_ep's two grouped matmuls alone (forward + backward)
+                       on the same routing: the floor the step is held to
+
+The loss is mean(out²) summed over ranks; gradients w.r.t. router, w_in and
+w_out. Before timing, all variants are run at a capacity with no drops and
+their losses and gradients compared (bf16 tolerance). Records: bench =
+moe_step (results/moe.json); `--tokens 512` and `--sweep` for other sizes.
+The MaxText-style sort + ragged_all_to_all + ragged_dot layer is not here:
+ragged_dot's backward at this shape needs a 56.8 GiB temporary (grouped GEMM
+bench, device run 2) and its forward alone takes ~186 ms per 32768 rows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import os
+import sys
+from typing import Callable
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_normal as bn  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+  tokens: int = 4096      # per rank
+  hidden: int = 7168
+  ffn: int = 2048
+  experts: int = 256
+  topk: int = 8
+  align: int = 8          # jax_ep's expert_alignment
+  capacity_factor: float = 1.25   # the native layer's
+
+
+# ---------------------------------------------------------------- the layers (per rank)
+
+def _route(x, router, topk):
+  import jax
+  import jax.numpy as jnp
+  logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+  top, idx = jax.lax.top_k(logits, topk)
+  return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+
+
+def jax_ep_layer(x, router, w_in, w_out, *, shape: MoEShape, backend=None):
+  """jax_ep's MoE layer body (as jax_ep.nn.MoE, with bf16 parameters)."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+  idx, w = _route(x, router, shape.topk)
+  out = jax_ep.dispatch(x, idx, w, num_experts=shape.experts, layout="expert",
+                        expert_alignment=shape.align, backend=backend)
+  gemm = jax_ep.grouped_matmul
+  h = jax.nn.gelu(gemm(out.recv_x, w_in, out.counts, out_dtype=jnp.float32)).astype(x.dtype)
+  y = gemm(h, w_out, out.counts)
+  return jax_ep.combine(y, out.handle, out.recv_topk_weights, backend=backend)
+
+
+def native_dense_a2a_layer(x, router, w_in, w_out, *, shape: MoEShape, capacity_factor: float):
+  """A MoE layer in plain JAX: every token sent once to each rank that holds
+  one of its experts (dense all_to_all of [R, T, H]), slots per local expert
+  up to a capacity (pairs past it are dropped, as such layers do), padded
+  batched matmuls, then the weighted rows back the same way."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax_ep import reference as ref
+  r_count = ref.axis_size("ep")
+  t, h = x.shape
+  e_l = shape.experts // r_count
+  k = shape.topk
+  idx, w = _route(x, router, k)
+  ranks = jnp.arange(r_count, dtype=jnp.int32)
+  dest = idx // e_l                                                  # [T, K]
+  goes = (dest[None, :, :] == ranks[:, None, None])                  # [R, T, K]
+  send_x = jnp.where(goes.any(-1)[..., None], x[None], jnp.zeros((), x.dtype))
+  send_e = jnp.where(goes, idx[None] - ranks[:, None, None] * e_l, -1)
+  send_w = jnp.where(goes, w[None], 0.0)
+  a2a = functools.partial(lax.all_to_all, axis_name="ep", split_axis=0, concat_axis=0, tiled=True)
+  rx, re, rw = a2a(send_x), a2a(send_e), a2a(send_w)                 # [R, T, ...] from each source
+  n = r_count * t
+  rx, re, rw = rx.reshape(n, h), re.reshape(n * k), rw.reshape(n * k)
+  cap = int(np.ceil(capacity_factor * n * k / shape.experts / 8) * 8)
+  onehot = (re[:, None] == jnp.arange(e_l, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+  pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.maximum(re, 0)[:, None], 1)[:, 0]
+  keep = (re >= 0) & (pos < cap)
+  slot = jnp.where(keep, re * cap + pos, e_l * cap)                  # e_l * cap: dropped
+  pair_row = jnp.arange(n * k, dtype=jnp.int32) // k
+  src = jnp.full((e_l * cap,), -1, jnp.int32).at[slot].set(pair_row, mode="drop")
+  xin = jnp.where((src >= 0)[:, None], rx[jnp.maximum(src, 0)], jnp.zeros((), x.dtype))
+  xin = xin.reshape(e_l, cap, h)
+  hid = jnp.einsum("ech,ehf->ecf", xin, w_in, preferred_element_type=jnp.float32)
+  y = jnp.einsum("ecf,efh->ech", jax.nn.gelu(hid).astype(x.dtype), w_out).reshape(e_l * cap, h)
+  got = jnp.where(keep[:, None], y[jnp.minimum(slot, e_l * cap - 1)], jnp.zeros((), y.dtype))
+  rows = jnp.sum(got.reshape(n, k, h).astype(jnp.float32) * rw.reshape(n, k, 1), axis=1)
+  back = a2a(rows.reshape(r_count, t, h))                           # [R(dest ranks), T, H]
+  return jnp.sum(back, axis=0).astype(x.dtype)
+
+
+def _expert_counts(x, router, shape: MoEShape) -> np.ndarray:
+  idx, _ = _route(x, router, shape.topk)
+  return np.bincount(np.asarray(idx).reshape(-1), minlength=shape.experts)
+
+
+def drops(x, router, *, shape: MoEShape, r_count: int, capacity_factor: float) -> int:
+  """(token, expert) pairs the native layer drops at this capacity (global)."""
+  counts = _expert_counts(x, router, shape)
+  n = r_count * shape.tokens
+  cap = int(np.ceil(capacity_factor * n * shape.topk / shape.experts / 8) * 8)
+  return int(np.maximum(counts - cap, 0).sum())
+
+
+def no_drop_factor(x, router, *, shape: MoEShape, r_count: int) -> float:
+  """The native layer's smallest capacity factor that drops nothing here."""
+  mean = r_count * shape.tokens * shape.topk / shape.experts
+  return float(_expert_counts(x, router, shape).max()) / mean
+
+
+# ---------------------------------------------------------------- steps
+
+def make_step(layer: Callable, mesh) -> Callable:
+  """jit(value_and_grad) of sum over ranks of mean(out²); every argument's
+  leading axis is split over 'ep' (the router is stacked per rank)."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+
+  def per_rank(x, router, w_in, w_out):
+    out = layer(x, router[0], w_in, w_out)
+    return jnp.mean(jnp.square(out.astype(jnp.float32)))[None]
+
+  f = jax_ep.shard_map(per_rank, mesh)
+
+  def loss(params, x):
+    return jnp.sum(f(x, *params))
+
+  return jax.jit(jax.value_and_grad(loss))
+
+
+def make_expert_gemm_step(shape: MoEShape, mesh, x, params):
+  """The two grouped matmuls alone, forward + backward, on the rows and
+  counts one jax_ep dispatch of this routing produces."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+
+  def disp(x, router):
+    idx, w = _route(x, router[0], shape.topk)
+    out = jax_ep.dispatch(x, idx, w, num_experts=shape.experts, layout="expert",
+                          expert_alignment=shape.align)
+    return out.recv_x, out.counts
+
+  rows, counts = jax.jit(jax_ep.shard_map(disp, mesh))(x, params[0])
+
+  def per_rank(rows, counts, w_in, w_out):
+    h = jax.nn.gelu(jax_ep.grouped_matmul(rows, w_in, counts, out_dtype=jnp.float32))
+    y = jax_ep.grouped_matmul(h.astype(rows.dtype), w_out, counts)
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))[None]
+
+  f = jax_ep.shard_map(per_rank, mesh)
+  step = jax.jit(jax.value_and_grad(lambda w, rows, counts: jnp.sum(f(rows, counts, *w))))
+  return step, (params[1:], rows, counts)
+
+
+def make_inputs(shape: MoEShape, mesh, key):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  r_count = mesh.size
+  kx, kr, k1, k2 = jax.random.split(key, 4)
+  shard = NamedSharding(mesh, P("ep"))
+  put = lambda a: jax.device_put(a, shard)  # noqa: E731
+  x = put(jax.random.normal(kx, (r_count * shape.tokens, shape.hidden), jnp.bfloat16))
+  router = jax.random.normal(kr, (shape.hidden, shape.experts), jnp.float32) / np.sqrt(shape.hidden)
+  router = put(jnp.broadcast_to(router, (r_count, *router.shape)))
+  w_in = put((jax.random.normal(k1, (shape.experts, shape.hidden, shape.ffn), jnp.bfloat16)
+              / np.sqrt(shape.hidden)).astype(jnp.bfloat16))
+  w_out = put((jax.random.normal(k2, (shape.experts, shape.ffn, shape.hidden), jnp.bfloat16)
+               / np.sqrt(shape.ffn)).astype(jnp.bfloat16))
+  return x, (router, w_in, w_out)
+
+
+def layers(shape: MoEShape, capacity_factor: float) -> dict:
+  return {
+      "jax_ep": functools.partial(jax_ep_layer, shape=shape),
+      "reference": functools.partial(jax_ep_layer, shape=shape, backend="reference"),
+      "jax_native_dense_a2a": functools.partial(native_dense_a2a_layer, shape=shape,
+                                                capacity_factor=capacity_factor),
+  }
+
+
+def compare(shape: MoEShape, mesh, x, params, *, tol: float = 3e-2) -> dict:
+  """Loss and gradients of every variant at a capacity with no drops, against
+  jax_ep's; returns {impl: (rel loss diff, max rel grad diff)}."""
+  import jax
+  no_drop = no_drop_factor(np.asarray(x), np.asarray(params[0][0]), shape=shape,
+                           r_count=mesh.size)
+  base_loss, base_grads = make_step(layers(shape, no_drop)["jax_ep"], mesh)(params, x)
+  out = {}
+  for impl, layer in layers(shape, no_drop).items():
+    loss, grads = make_step(layer, mesh)(params, x)
+    dl = abs(float(loss) - float(base_loss)) / max(abs(float(base_loss)), 1e-30)
+    dg = max(float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                   / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
+             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads)))
+    out[impl] = (dl, dg)
+    if dl > tol or dg > tol:
+      raise AssertionError(f"{impl}: loss differs by {dl:.2e}, gradients by {dg:.2e} "
+                           f"(tolerance {tol}) from jax_ep's")
+  return out
+
+
+# ---------------------------------------------------------------- driver
+
+def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
+  import jax
+  from jax.sharding import Mesh
+  import jax_ep
+  devices = jax.devices()
+  mesh = Mesh(np.array(devices), ("ep",))
+  r_count = mesh.size
+  if jax_ep.cuda_available():
+    from jax_ep import comm as _comm
+    if _comm.current("ep") is None:
+      jax_ep.Communicator.create(mesh, "ep")
+  x, params = make_inputs(shape, mesh, jax.random.key(0))
+  if check:
+    try:
+      diffs = compare(shape, mesh, x, params)
+      print("  agreement with jax_ep at no drops (loss, grads): " +
+            ", ".join(f"{k} {a:.1e}/{b:.1e}" for k, (a, b) in diffs.items()), flush=True)
+    except AssertionError:
+      raise
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: say so, time anyway
+      print(f"  agreement check FAILED to run: {type(e).__name__}: {str(e)[:300]}", flush=True)
+  steps = {impl: make_step(layer, mesh) for impl, layer in
+           layers(shape, shape.capacity_factor).items()}
+  gemm_step, gemm_args = make_expert_gemm_step(shape, mesh, x, params)
+  for impl, s in list(steps.items()):
+    try:
+      jax.block_until_ready(s(params, x))
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"  {impl}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      steps[impl] = None
+  jax.block_until_ready(gemm_step(*gemm_args))
+  dropped = drops(np.asarray(x), np.asarray(params[0][0]), shape=shape, r_count=r_count,
+                  capacity_factor=shape.capacity_factor)
+  t_gemm = bn.time_or_none("expert_gemms", gemm_step, gemm_args, quick, max_iters=5)
+  records = []
+  for impl, s in list(steps.items()) + [("expert_gemms", "gemms")]:
+    if s == "gemms":
+      t = t_gemm
+    else:
+      t = None if s is None else bn.time_or_none(impl, s, (params, x), quick, max_iters=5)
+    records.append(dict(
+        bench="moe_step", impl=impl, dtype="bf16", tokens_per_rank=shape.tokens,
+        hidden=shape.hidden, ffn=shape.ffn, topk=shape.topk, experts=shape.experts,
+        ranks=r_count, time_us=None if t is None else t * 1e6,
+        tokens_per_s=None if t is None else r_count * shape.tokens / t,
+        ratio_to_expert_gemms=None if (t is None or t_gemm is None) else t / t_gemm,
+        dropped_pairs=dropped if impl == "jax_native_dense_a2a" else 0,
+        capacity_factor=shape.capacity_factor if impl == "jax_native_dense_a2a" else None))
+    ratio = records[-1]["ratio_to_expert_gemms"]
+    timing = "-" if t is None else f"{t * 1e3:9.2f} ms"
+    gemms = "" if ratio is None else f"  x{ratio:.2f} of its GEMMs"
+    print(f"  T={shape.tokens:5d} {impl:22s} {timing:>12s}{gemms}", flush=True)
+  return records
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
+  ap.add_argument("--quick", action="store_true", help="fewer iterations")
+  ap.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096)")
+  ap.add_argument("--sweep", action="store_true", help="tokens 512..4096, writes a PNG")
+  args = ap.parse_args(argv)
+  try:
+    import jax
+    gpus = jax.devices("gpu")
+  except (ImportError, RuntimeError):
+    gpus = []
+  import jax_ep
+  if not gpus or not jax_ep.cuda_available():
+    print("bench_moe: needs GPUs and jax_ep's CUDA build; nothing measured", file=sys.stderr)
+    return 2
+  sizes = [512, 1024, 2048, 4096] if args.sweep else [args.tokens or 4096]
+  records = []
+  for t in sizes:
+    records += run(MoEShape(tokens=t), quick=args.quick, check=(t == sizes[0]))
+  stamp = dict(machine=bn._machine(gpus), date=datetime.date.today().isoformat(),
+               commit=bn._commit())
+  for r in records:
+    r.update(stamp)
+  path = bn.write_records(records, args.out, "moe")
+  print(f"wrote {path}")
+  if args.sweep:
+    _plot(records, os.path.join(args.out, "moe_sweep.png"))
+  return 0
+
+
+def _plot(records, path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for impl in sorted({r["impl"] for r in records}):
+    pts = [(r["tokens_per_rank"], r["time_us"] / 1e3) for r in records
+           if r["impl"] == impl and r["time_us"] is not None]
+    if pts:
+      ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
+  ax.set_xlabel("tokens per rank")
+  ax.set_ylabel("forward + backward, ms")
+  ax.set_xscale("log", base=2)
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -31,11 +31,17 @@ class MoE(nnx.Module):
     backend: None (auto), "reference" or "cuda"; see jax_ep.dispatch. The
       expert matmuls (jax_ep.grouped_matmul) run their GPU kernel unless it
       is "reference".
+    dtype: compute dtype of the tokens and expert matmuls.
+    param_dtype: storage dtype of the expert weights (default float32). With
+      param_dtype == dtype the step skips casting them: at H = 7168, F = 2048
+      and 128 experts a rank each f32 -> bf16 cast reads 7.5 GB and writes
+      3.8 GB per weight and step.
   """
 
   def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, *, mesh: Mesh,
                axis_name: str = "ep", expert_alignment: int = 8,
-               backend: Optional[str] = None, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+               backend: Optional[str] = None, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
     self.num_experts, self.topk = num_experts, topk
     self.mesh, self.axis_name = mesh, axis_name
     self.expert_alignment, self.backend, self.dtype = expert_alignment, backend, dtype
@@ -44,9 +50,11 @@ class MoE(nnx.Module):
     shard = NamedSharding(mesh, P(axis_name))
     self.router = nnx.Param(init(rngs.params(), (hidden, num_experts), jnp.float32))
     self.w_in = nnx.Param(jax.device_put(
-        expert_init(rngs.params(), (num_experts, hidden, ffn), jnp.float32), shard))
+        expert_init(rngs.params(), (num_experts, hidden, ffn), jnp.float32).astype(param_dtype),
+        shard))
     self.w_out = nnx.Param(jax.device_put(
-        expert_init(rngs.params(), (num_experts, ffn, hidden), jnp.float32), shard))
+        expert_init(rngs.params(), (num_experts, ffn, hidden), jnp.float32).astype(param_dtype),
+        shard))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [N, H] tokens, N split over the EP axis. Returns [N, H] in x's dtype."""

@@ -489,3 +489,36 @@ def grouped_matmul(x, w, sizes) -> np.ndarray:
     out[start:start + n] = x64[start:start + n] @ w64[g]
     start += n
   return out
+
+
+def dispatch_handle(disp: list, idx: np.ndarray, E: int, layout: str, C: int) -> dict:
+    """The DispatchHandle fields a dispatch must return, from the oracle's own
+    rows: recv_src_rank / recv_src_token / recv_src_k [R, C] (-1 on padding;
+    recv_src_k is -1 in the rank layout), recv_counts [R(dest), R(src)] (rows,
+    or (token, k) entries, per source) and pos_in_rank [R(src), T, R(dest)]
+    (index of token t among rank s's tokens bound for rank j, ascending t)."""
+    R, T, K = idx.shape
+    El = local_experts(E, R)
+    src_rank = np.full((R, C), -1, np.int32)
+    src_token = np.full((R, C), -1, np.int32)
+    src_k = np.full((R, C), -1, np.int32)
+    counts = np.zeros((R, R), np.int32)
+    for r, d in enumerate(disp):
+        for row, info in enumerate(d.rows):
+            if info is None:
+                continue
+            s, t, key = info
+            src_rank[r, row], src_token[r, row] = s, t
+            if layout == "expert":
+                src_k[r, row] = key[2]
+            counts[r, s] += 1
+    pos = np.full((R, T, R), -1, np.int32)
+    for s in range(R):
+        for j in range(R):
+            n = 0
+            for t in range(T):
+                if any(idx[s, t, k] >= 0 and idx[s, t, k] // El == j for k in range(K)):
+                    pos[s, t, j] = n
+                    n += 1
+    return dict(recv_src_rank=src_rank, recv_src_token=src_token, recv_src_k=src_k,
+                recv_counts=counts, pos_in_rank=pos)

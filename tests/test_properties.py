@@ -1,6 +1,7 @@
 """Property-based tests (hypothesis): over random shapes, routings (with −1
 slots, empty ranks, skew), dtypes, layouts and alignments, the reference's
-dispatch equals the NumPy oracle bit for bit and its combine equals the
+dispatch equals the NumPy oracle bit for bit (rows and the whole handle:
+pos_in_rank, recv_src_*, recv_counts) and its combine equals the
 oracle's fixed-order f32 sum; the grouped matmul's reference equals the
 float64 oracle over random group sizes. Each example compiles a new program,
 so the example counts stay small; the seeds are derandomised so a failure
@@ -50,14 +51,24 @@ def test_dispatch_reference_equals_oracle_bitwise(case, layout, align):
 
   def fn(x, i, w):
     o = jax_ep.dispatch(x, i, w, num_experts=e, axis_name="ep", **kw)
-    return o.recv_x, o.recv_topk_idx, o.recv_topk_weights, o.counts
+    hd = o.handle
+    return (o.recv_x, o.recv_topk_idx, o.recv_topk_weights, o.counts,
+            dict(recv_src_rank=hd.recv_src_rank, recv_src_token=hd.recv_src_token,
+                 recv_src_k=hd.recv_src_k, recv_counts=hd.recv_counts,
+                 pos_in_rank=hd.pos_in_rank))
 
-  out = run_sharded(r, fn, x, idx, w)
+  *out, handle = run_sharded(r, fn, x, idx, w)
   c = out[0].shape[1]
   if layout == "rank":
-    assert_rank_layout(out, oracle.dispatch_rank((x,), idx, w, e), c)
+    exp = oracle.dispatch_rank((x,), idx, w, e)
+    assert_rank_layout(out, exp, c)
   else:
-    assert_expert_layout(out, oracle.dispatch_expert((x,), idx, w, e, align), c)
+    exp = oracle.dispatch_expert((x,), idx, w, e, align)
+    assert_expert_layout(out, exp, c)
+  # The whole handle, not only what combine happens to read.
+  want = oracle.dispatch_handle(exp, idx, e, layout, c)
+  for name, value in want.items():
+    np.testing.assert_array_equal(handle[name], value, err_msg=name)
 
 
 @settings(**SETTINGS)

@@ -117,3 +117,27 @@ def test_dispatch_then_unweighted_combine_counts_copies_of_x(layout):
     else:
         n = (idx >= 0).sum(-1)
     np.testing.assert_array_equal(got, x * n[..., None].astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_combine_order_is_ascending_rank_where_f32_order_matters(layout):
+    """Values 1, 1e8, -1e8 on ranks 1, 2, 3 sum to 0 in ascending rank order
+    ((1 + 1e8) - 1e8: the 1 is absorbed) and to 1 in any order that adds the
+    two large values first: a combine that reduces in another order fails."""
+    R, T, K, E, H = 4, 1, 3, 4, 8
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[0, 0] = [3, 1, 2]                       # slot order differs from rank order on purpose
+    w = np.ones((R, T, K), np.float32)
+    x = np.ones((R, T, H), F32)
+    C = 1                                       # one row per destination rank, either layout
+    y = np.zeros((R, C, H), F32)
+    y[1, 0], y[2, 0], y[3, 0] = 1.0, 1e8, -1e8
+
+    def fn(x, i, w, y):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout=layout, capacity=C)
+        return jax_ep.combine(y, o.handle, None, axis_name="ep")
+
+    got = run_sharded(R, fn, x, idx, w, y)
+    assert got.dtype == F32
+    np.testing.assert_array_equal(got[0, 0], np.zeros(H, F32))
+    assert np.float32(np.float32(-1e8) + np.float32(1e8)) + np.float32(1) == 1  # the other order

@@ -178,3 +178,15 @@ def test_ll_dispatch_all_invalid_gives_zero_counts_and_zero_buffers():
     recv, count = _ll_dispatch(R, E, mt, x, idx)
     assert not count.any()
     assert not recv.astype(np.float32).any()
+
+
+def test_ll_dispatch_overflow_is_reported_at_run_time():
+    """Tokens that repeat an expert inside their top-k give that expert two
+    rows each: with T = max_tokens on every rank it receives 2·R·T rows, past
+    its R·max_tokens slots. The op must raise, not drop rows."""
+    R, T, K, E, H = 2, 4, 2, 8, 128
+    rng = np.random.default_rng(10450)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    idx = np.zeros((R, T, K), np.int32)          # every slot: expert 0
+    with pytest.raises(Exception, match="(?i)overflow"):
+        _ll_dispatch(R, E, T, x, idx)

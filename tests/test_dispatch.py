@@ -282,3 +282,23 @@ def test_zero_tokens_per_rank_gives_empty_outputs(layout):
     out = _dispatch(R, E, x, idx, w, layout=layout)
     assert out[0].shape[:2] == (R, 0)
     assert not out[3].any()
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_nan_and_inf_in_the_payload_pass_through_unchanged(layout):
+    """Dispatch moves bits: NaN (with its payload bits), +-Inf and -0 arrive
+    as they left; combine then carries them into the tokens' sums."""
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    rng = np.random.default_rng(4321)
+    idx, w = oracle.make_topk(rng, R, T, K, E, drop=0.0)
+    x = oracle.make_x(rng, (R, T, H), F32)
+    x[0, 1, 3] = np.nan
+    x[1, 2, 0] = np.inf
+    x[1, 5, 7] = -np.inf
+    x[0, 6, 9] = -0.0
+    out = _dispatch(R, E, x, idx, w, layout=layout)
+    exp = (oracle.dispatch_rank((x,), idx, w, E) if layout == "rank"
+           else oracle.dispatch_expert((x,), idx, w, E))
+    for r in range(R):
+        np.testing.assert_array_equal(bits(out[0][r]), bits(exp[r].payload[0]))
+    assert np.isnan(out[0]).any() and np.isinf(out[0]).any()

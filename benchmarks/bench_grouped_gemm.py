@@ -45,7 +45,7 @@ def _products(direction: str):
   return (HIDDEN, FFN) if direction == "up" else (FFN, HIDDEN)
 
 
-def _product_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
+def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> None:
   """Each of the three kernels alone (forward, dx, dw; up projection), on the
   routed sizes and on uniform 256-row groups (the stock CUTLASS example's
   case, where 128-row tiles waste nothing)."""
@@ -62,13 +62,15 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
     w = (jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     dy = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
     flops = 2.0 * ROWS * k * n
+    # Default arguments bind this iteration's sizes and m: the forward call
+    # is profiled after the loop has moved on.
     calls = {
-        "kernel_fwd": (lambda a, b: _ffi.grouped_gemm_cuda(
-            a, b, sizes, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
-        "kernel_dx": (lambda d, b: _ffi.grouped_gemm_cuda(
-            d, b, sizes, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
-        "kernel_dw": (lambda a, d: _ffi.grouped_gemm_cuda(
-            a, d, sizes, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
+        "kernel_fwd": (lambda a, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
+            a, b, s, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
+        "kernel_dx": (lambda d, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
+            d, b, s, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
+        "kernel_dw": (lambda a, d, s=sizes: _ffi.grouped_gemm_cuda(
+            a, d, s, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
             out_dtype=jnp.bfloat16), (x, dy)),
     }
     for f, a in calls.values():
@@ -76,6 +78,70 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
     for prod, (f, a) in calls.items():
       t = bn.time_or_none(f"{routing} {prod}", f, a, quick, max_iters=10)
       rec("up", prod, "jax_ep", t, flops, dense_fwd_t, routing=routing, padded_rows=m)
+      if prod == "kernel_fwd":
+        profile[f"jax_ep_fwd_{routing}"] = (f, a, flops, t)
+
+
+def gpu_kernel_events(trace_dir: str) -> list[dict]:
+  """Kernel events (name, ts, dur in µs) on the GPU timelines of the newest
+  Perfetto trace that jax.profiler wrote under trace_dir."""
+  import glob
+  import gzip
+  import json
+  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise RuntimeError(f"no .trace.json.gz under {trace_dir}")
+  with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
+    data = json.load(f)
+  evs = data["traceEvents"] if isinstance(data, dict) else data
+  gpu_pids = {e["pid"] for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "GPU" in str(e.get("args", {}).get("name", ""))}
+  return [dict(name=e.get("name", ""), ts=float(e["ts"]), dur=float(e["dur"])) for e in evs
+          if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def kernel_summary(events: list[dict], calls: int) -> dict:
+  """GPU time per call (µs): each kernel family's total over `calls`, and
+  all kernels together. Families: the CUTLASS grouped kernel, our prep and
+  fill kernels, everything else by its first 40 characters."""
+  def family(name: str) -> str:
+    for key in ("GemmUniversal", "PrepGroups", "ZeroTailRows", "ZeroEmptyGroups",
+                "RegroupScales"):
+      if key in name:
+        return key
+    return name[:40]
+  per = {}
+  for e in events:
+    per[family(e["name"])] = per.get(family(e["name"]), 0.0) + e["dur"]
+  out = {k: v / calls for k, v in per.items()}
+  out["all_kernels"] = sum(per.values()) / calls
+  return out
+
+
+def _profile_records(rec, calls_of: dict, quick: bool) -> None:
+  """Per-call GPU kernel time (jax.profiler / CUPTI) of each call in
+  `calls_of` ({label: (fn, args, flops, wall_s)}), next to its wall time:
+  the difference is what happens outside the kernels (launch gaps, host
+  work, waiting)."""
+  import tempfile
+  import jax
+  iters, repeats = (5, 1) if quick else (10, 2)
+  for label, (fn, args, flops, wall) in calls_of.items():
+    try:
+      tdir = tempfile.mkdtemp(prefix="jax_ep_gg_prof_")
+      with jax.profiler.trace(tdir, create_perfetto_trace=True):
+        bn._time_step(fn, args, iters=iters, repeats=repeats)
+      # _time_step runs the step twice to warm up, then `repeats` times.
+      summ = kernel_summary(gpu_kernel_events(tdir), calls=iters * (2 + repeats))
+    except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+      print(f"  profile {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    busy = summ["all_kernels"] * 1e-6
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(summ.items(), key=lambda kv: -kv[1])[:5])
+    print(f"  profile {label}: GPU kernels {busy * 1e3:.3f} ms per call against "
+          f"{'-' if wall is None else f'{wall * 1e3:.3f}'} ms wall ({parts} µs)", flush=True)
+    rec("up", "kernel_time", label, busy, flops, None, wall_us=None if wall is None else wall * 1e6,
+        kernels_us=summ)
 
 
 def _fp8_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
@@ -143,6 +209,7 @@ def run(quick: bool) -> list[dict]:
     print(f"  {direction:4s} {mode:7s} {impl:18s} {tag:8s}{timing}{ratio}", flush=True)
 
   dense_up_fwd = None
+  dense_call = None
   for direction in ("up", "down"):
     k, n = _products(direction)
     k1, k2, k3, key = jax.random.split(key, 4)
@@ -211,12 +278,17 @@ def run(quick: bool) -> list[dict]:
           dense_t[mode] = t
           if direction == "up" and mode == "fwd":
             dense_up_fwd = t
+            dense_call = (f, a, flops, t)
         rec(direction, mode, impl, t, mult * flops, dense_t.get(mode),
             padded_rows=m_pad if impl.startswith("jax_ep") or slow else
             (EXPERTS * CAPACITY if impl == "jax_padded_einsum" else ROWS))
 
-  _product_records(quick, rec, sizes_np, key, dense_up_fwd)
+  profile = {}
+  _product_records(quick, rec, sizes_np, key, dense_up_fwd, profile)
   _fp8_records(quick, rec, sizes_np, key, dense_up_fwd)
+  if dense_call is not None:
+    profile["jax_dense_matmul"] = dense_call
+  _profile_records(rec, profile, quick)
 
   # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]
   # (EP2, 128 tokens/rank, top-8 of 256: 8 rows per expert on average).

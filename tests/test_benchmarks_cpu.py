@@ -49,3 +49,33 @@ def test_moe_bench_variants_agree_on_cpu():
   n = bm.drops(np.asarray(x), np.asarray(params[0][0]), shape=shape, r_count=4,
                capacity_factor=0.5)
   assert n > 0
+
+
+def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):
+  """bench_grouped_gemm's trace reader on a synthetic Perfetto trace: only
+  GPU-timeline kernel events count, grouped by family, per call."""
+  import gzip
+  import json
+  sys.path.insert(0, BENCH)
+  try:
+    bg = importlib.import_module("bench_grouped_gemm")
+  finally:
+    sys.path.remove(BENCH)
+  evs = [
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+  ]
+  for call in range(3):
+    t0 = call * 100.0
+    evs += [
+        {"ph": "X", "pid": 1, "name": "void jax_ep::gg::PrepGroups<...>", "ts": t0, "dur": 2.0},
+        {"ph": "X", "pid": 1, "name": "void cutlass::device_kernel<GemmUniversal<...>>",
+         "ts": t0 + 3, "dur": 80.0},
+        {"ph": "X", "pid": 2, "name": "cudaLaunchKernelEx", "ts": t0, "dur": 5.0},  # host: ignored
+    ]
+  d = tmp_path / "plugins" / "profile" / "x"
+  d.mkdir(parents=True)
+  with gzip.open(d / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": evs}, f)
+  summ = bg.kernel_summary(bg.gpu_kernel_events(str(tmp_path)), calls=3)
+  assert summ == {"PrepGroups": 2.0, "GemmUniversal": 80.0, "all_kernels": 82.0}

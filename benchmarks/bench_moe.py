@@ -243,8 +243,12 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
   r_count = mesh.size
   if jax_ep.cuda_available():
     from jax_ep import comm as _comm
+    from jax_ep._ffi_dispatch import window_bytes_needed
     if _comm.current("ep") is None:
-      jax_ep.Communicator.create(mesh, "ep")
+      nbytes = max(1 << 30, window_bytes_needed(
+          num_ranks=r_count, tokens_per_rank=max(4096, shape.tokens), hidden=shape.hidden,
+          topk=shape.topk, num_experts=shape.experts))
+      jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   x, params = make_inputs(shape, mesh, jax.random.key(0))
   if check:
     try:

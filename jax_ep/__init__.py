@@ -6,7 +6,7 @@ NCCL device API; everywhere else they run the pure-JAX reference
 (`jax_ep.reference`), which has the same outputs and row order.
 """
 from jax_ep._types import (DispatchHandle, DispatchOutput, Layout, LowLatencyDispatchOutput,
-                           LowLatencyHandle)
+                           LowLatencyHandle, PublishedTable)
 from jax_ep._checks import EpRuntimeError
 from jax_ep.fp8 import dequantize, quantize
 from jax_ep.mesh import shard_map
@@ -14,7 +14,8 @@ from jax_ep.ops.dispatch import combine, dispatch
 from jax_ep.ops.grouped_gemm import (dequantize_weights_fp8, grouped_matmul,
                                      grouped_matmul_fp8, masked_grouped_matmul,
                                      masked_grouped_matmul_fp8, quantize_weights_fp8)
-from jax_ep.ops.engram import engram_fetch, engram_fetch_start, engram_fetch_wait
+from jax_ep.ops.engram import (engram_fetch, engram_fetch_start, engram_fetch_wait,
+                               engram_publish)
 from jax_ep.ops.layout import get_dispatch_layout
 from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_done,
                                     low_latency_combine_start, low_latency_dispatch,
@@ -29,11 +30,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "DispatchHandle", "DispatchOutput", "EpRuntimeError", "Layout",
-    "LowLatencyDispatchOutput", "LowLatencyHandle", "build_info", "combine", "cuda_available",
-    "default_capacity", "dequantize", "dequantize_weights_fp8", "dispatch", "engram_fetch",
-    "engram_fetch_start", "engram_fetch_wait", "get_buffer_size_hint", "get_dispatch_layout",
-    "grouped_matmul", "grouped_matmul_fp8", "low_latency_combine", "low_latency_combine_done",
-    "low_latency_combine_start", "low_latency_dispatch", "low_latency_dispatch_done",
-    "low_latency_dispatch_start", "masked_grouped_matmul", "masked_grouped_matmul_fp8", "quantize",
-    "quantize_weights_fp8", "shard_map",
+    "LowLatencyDispatchOutput", "LowLatencyHandle", "PublishedTable", "build_info", "combine",
+    "cuda_available", "default_capacity", "dequantize", "dequantize_weights_fp8", "dispatch",
+    "engram_fetch", "engram_fetch_start", "engram_fetch_wait", "engram_publish",
+    "get_buffer_size_hint", "get_dispatch_layout", "grouped_matmul", "grouped_matmul_fp8",
+    "low_latency_combine", "low_latency_combine_done", "low_latency_combine_start",
+    "low_latency_dispatch", "low_latency_dispatch_done", "low_latency_dispatch_start",
+    "masked_grouped_matmul", "masked_grouped_matmul_fp8", "quantize", "quantize_weights_fp8",
+    "shard_map",
 ]

@@ -51,16 +51,26 @@ def _check_row_bytes(dim: int, dtype) -> None:
                      f"= {rb}) must be a positive multiple of 16 bytes")
 
 
-def window_bytes_needed(*, rows_per_rank: int, dim: int, dtype, reserved_bytes: int = 0) -> int:
+def table_bytes(*, rows_per_rank: int, dim: int, dtype) -> int:
+  """Window bytes one published shard takes (before the 256-byte alignment
+  of its start)."""
+  return int(rows_per_rank) * _row_bytes(dim, dtype)
+
+
+def window_bytes_needed(*, rows_per_rank: int, dim: int, dtype, reserved_bytes: int = 0,
+                        table_end_offset: int = 0) -> int:
   """Smallest symmetric window (bytes per GPU) that holds the runtime header,
-  `reserved_bytes` for dispatch/combine and the table shard at the end.
+  `reserved_bytes` for dispatch/combine, the tables above this one
+  (`table_end_offset` bytes at the end) and the table shard below them.
   Mirrors EngramWindow::need in ffi/kernels/engram_layout.h."""
   low = max(int(reserved_bytes), _HEADER_BYTES)
   low = (low + _ALIGN - 1) // _ALIGN * _ALIGN
-  return low + int(rows_per_rank) * _row_bytes(dim, dtype)
+  return low + table_bytes(rows_per_rank=rows_per_rank, dim=dim, dtype=dtype) + int(
+      table_end_offset)
 
 
-def publish_cuda(table: Array, *, comm_id: int, reserved_bytes: int = 0) -> Array:
+def publish_cuda(table: Array, *, comm_id: int, reserved_bytes: int = 0,
+                 table_end_offset: int = 0) -> Array:
   """Copies this rank's shard [V/R, D] into its window (collective: barrier,
   copy, barrier). Returns the s32 [1] token that `fetch_cuda` takes.
 
@@ -72,16 +82,18 @@ def publish_cuda(table: Array, *, comm_id: int, reserved_bytes: int = 0) -> Arra
   _check_table_dtype(table.dtype)
   _check_row_bytes(table.shape[1], table.dtype)
   return _call("jax_ep_engram_publish", jax.ShapeDtypeStruct((1,), jnp.int32), vmap_method=None)(
-      table, comm_id=np.int64(comm_id), reserved_bytes=np.int64(reserved_bytes))
+      table, comm_id=np.int64(comm_id), reserved_bytes=np.int64(reserved_bytes),
+      table_end_offset=np.int64(table_end_offset))
 
 
 def fetch_cuda(token: Array, indices: Array, *, rows_per_rank: int, dim: int, dtype,
-               comm_id: int, reserved_bytes: int = 0, num_sms: int = 0) -> Array:
+               comm_id: int, reserved_bytes: int = 0, table_end_offset: int = 0,
+               num_sms: int = 0) -> Array:
   """Rows [T, e, D] of the published table (`dtype`, D = `dim`): -1 -> zeros;
   an index outside [-1, V) -> zeros and an error on the communicator.
 
-  `rows_per_rank`, `dim`, `dtype` and `reserved_bytes` must be those of the
-  publish that made `token`. vmap over indices runs the fetches one after
+  `rows_per_rank`, `dim`, `dtype`, `reserved_bytes` and `table_end_offset`
+  must be those of the publish that made `token`. vmap over indices runs the fetches one after
   another (vmap_method="sequential"); the table stays the published one.
   """
   if indices.ndim != 2:
@@ -93,7 +105,7 @@ def fetch_cuda(token: Array, indices: Array, *, rows_per_rank: int, dim: int, dt
                vmap_method="sequential")(
       token, indices.astype(jnp.int32), comm_id=np.int64(comm_id),
       rows_per_rank=np.int64(rows_per_rank), reserved_bytes=np.int64(reserved_bytes),
-      num_sms=np.int32(num_sms))
+      table_end_offset=np.int64(table_end_offset), num_sms=np.int32(num_sms))
 
 
 def publish_and_fetch(table: Array, indices: Array, *, comm_id: int, reserved_bytes: int = 0,

@@ -84,3 +84,23 @@ class Pending:
   # Which implementation produced `arrays` ("reference" or "cuda"): their
   # in-flight arrays differ, the second halves' results do not.
   backend: str = dataclasses.field(metadata=dict(static=True), default="reference")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PublishedTable:
+  """A table shard that every rank can read (engram_publish's result).
+
+  Valid until the next publish into the same window area (the next
+  optimizer step's publish of this table); fetches that consume it run after
+  the publish that made it, because they take `token` (CUDA) or `table`.
+  """
+  table: Array                  # [V/R, D] this rank's shard (the gradient flows to it)
+  scales: Optional[Array]       # FP8 tables: per-row scales [V], replicated; else None
+  token: Optional[Array]        # CUDA: s32 [1] from the publish kernel; reference: None
+  axis_name: str = dataclasses.field(metadata=dict(static=True), default="ep")
+  backend: str = dataclasses.field(metadata=dict(static=True), default="reference")
+  reserved_bytes: int = dataclasses.field(metadata=dict(static=True), default=0)
+  # Window bytes between this table's end and the window's end: the tables
+  # published above it (ffi/kernels/engram_layout.h).
+  table_end_offset: int = dataclasses.field(metadata=dict(static=True), default=0)

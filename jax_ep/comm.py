@@ -46,7 +46,7 @@ def _round_up(n: int, m: int) -> int:
 
 def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
                          num_experts: int, dtype_bytes: int = 2,
-                         low_latency: bool = False) -> int:
+                         low_latency: bool = False, engram_tables=()) -> int:
   """Window bytes per rank that the ops need for a config.
 
   Normal mode: exactly what the dispatch/combine kernels lay out
@@ -55,6 +55,11 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   per local expert a receive area for R * tokens_per_rank rows plus the
   combine area for them. Rounded up to NCCL's 2 MiB granule; includes the
   4 KiB runtime header.
+
+  engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
+  will be published side by side (engram_publish(..., above=...)) in the
+  same window: they sit at its end, each rounded up to 256 bytes plus 256
+  bytes of slack, as engram_publish stacks them.
   """
   for name, v in (("num_ranks", num_ranks), ("tokens_per_rank", tokens_per_rank),
                   ("hidden", hidden), ("topk", topk), ("num_experts", num_experts),
@@ -63,6 +68,13 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
       raise ValueError(f"{name} must be positive, got {v}")
   r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
   out_bytes = max(dtype_bytes, 2)  # combine moves bf16 or wider
+  if engram_tables:
+    from jax_ep._ffi_engram import table_bytes
+    tables = sum(-(-table_bytes(rows_per_rank=v, dim=d, dtype=dt) // 256) * 256 + 256
+                 for v, d, dt in engram_tables)
+    base = get_buffer_size_hint(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k,
+                                num_experts=e, dtype_bytes=dtype_bytes, low_latency=low_latency)
+    return _round_up(base + tables, _GRANULE)
   if low_latency:
     row = h * dtype_bytes + k * 8 + (h // 128) * 4 + 64
     e_l = max(1, e // r)

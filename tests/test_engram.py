@@ -183,3 +183,85 @@ def test_engram_fetch_rejects_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         run_sharded(2, lambda t, i: jax_ep.engram_fetch(t, i, backend="gpu"),
                     np.zeros((2, 4, 16), np.float32), np.zeros((2, 3, 2), np.int32))
+
+
+# --- publish once, fetch many ----------------------------------------------------
+
+
+@pytest.mark.parametrize("R,dtype", [(2, BF16), (4, F32)])
+def test_published_table_fetches_equal_the_one_call_fetch_bitwise(R, dtype):
+    V, D, T, n = 64 * R, 128, 16, 3
+    rng = np.random.default_rng(11500 + R)
+    table = oracle.make_x(rng, (V, D), dtype)
+    idx1 = _indices(rng, R, T, n, V)
+    idx2 = _indices(rng, R, T, n, V)
+
+    def fn(tab, i1, i2):
+        pub = jax_ep.engram_publish(tab, axis_name="ep")
+        return jax_ep.engram_fetch(pub, i1), jax_ep.engram_fetch(pub, i2)
+
+    got1, got2 = run_sharded(R, fn, _shards(table, R), idx1, idx2)
+    np.testing.assert_array_equal(bits(got1), bits(oracle.engram_fetch(table, idx1)))
+    np.testing.assert_array_equal(bits(got2), bits(oracle.engram_fetch(table, idx2)))
+
+
+def test_published_fp8_table_returns_rows_and_row_scales():
+    R, V, D, T, n = 2, 128, 128, 8, 2
+    rng = np.random.default_rng(11600)
+    q = oracle.make_x(rng, (V, D), F32).clip(-400, 400).astype(FP8)
+    scales = rng.uniform(0.1, 2.0, size=(V,)).astype(np.float32)
+    idx = _indices(rng, R, T, n, V)
+    sc = np.broadcast_to(scales, (R, V)).copy()
+
+    def fn(tab, s, i):
+        pub = jax_ep.engram_publish(tab, s, axis_name="ep")
+        return jax_ep.engram_fetch(pub, i)
+
+    rows, row_scales = run_sharded(R, fn, _shards(q, R), sc, idx)
+    np.testing.assert_array_equal(bits(rows), bits(oracle.engram_fetch(q, idx)))
+    np.testing.assert_array_equal(row_scales, oracle.engram_scales(scales, idx))
+
+
+def test_gradient_through_publish_and_fetch_reaches_the_shard():
+    R, V, D, T, n = 4, 256, 64, 16, 4
+    rng = np.random.default_rng(11700)
+    table = oracle.make_x(rng, (V, D), F32)
+    idx = _indices(rng, R, T, n, V)
+    G = rng.standard_normal((R, T, n, D)).astype(np.float32)
+    f = sharded(R, lambda tab, i: jax_ep.engram_fetch(jax_ep.engram_publish(tab, axis_name="ep"), i))
+    d = jax.grad(lambda tab: jnp.sum(G * f(tab, idx).astype(jnp.float32)))(_shards(table, R))
+    exp = oracle.engram_table_grad(V, idx, G).reshape(R, V // R, D)
+    np.testing.assert_allclose(np.asarray(d), exp, rtol=1e-6, atol=1e-6)
+
+
+def test_tables_published_side_by_side_stack_down_from_the_window_end():
+    R, D = 2, 128
+    t1 = jnp.ones((100, D), jnp.bfloat16)
+    t2 = jnp.ones((50, D), jnp.float32)
+
+    def fn(a, b):
+        p1 = jax_ep.engram_publish(a, axis_name="ep")
+        p2 = jax_ep.engram_publish(b, axis_name="ep", above=p1)
+        p3 = jax_ep.engram_publish(a, axis_name="ep", above=p2)
+        assert p1.table_end_offset == 0
+        # 100 rows x 256 B = 25600 B, rounded to 256, plus 256 of slack
+        assert p2.table_end_offset == 25600 + 256
+        assert p3.table_end_offset == p2.table_end_offset + 50 * D * 4 + 256
+        return jax_ep.engram_fetch(p2, jnp.zeros((1, 1), jnp.int32))
+
+    sharded(R, fn)(jnp.ones((R * 100, D), jnp.bfloat16)[None].reshape(R, 100, D),
+                   jnp.ones((R, 50, D), jnp.float32))
+    with pytest.raises(ValueError, match="above"):
+        sharded(R, lambda a: jax_ep.engram_publish(a, axis_name="ep", above=a).table)(
+            jnp.ones((R, 100, D), jnp.bfloat16))
+
+
+def test_buffer_size_hint_makes_room_for_stacked_engram_tables():
+    base = jax_ep.get_buffer_size_hint(num_ranks=2, tokens_per_rank=64, hidden=256, topk=2,
+                                       num_experts=8)
+    tables = [(524288, 128, jnp.bfloat16), (1000, 64, jnp.float32)]
+    hint = jax_ep.get_buffer_size_hint(num_ranks=2, tokens_per_rank=64, hidden=256, topk=2,
+                                       num_experts=8, engram_tables=tables)
+    # The dispatch area, plus the two tables as engram_publish stacks them.
+    need = base + (524288 * 256 + 256) + (-(-1000 * 256 // 256) * 256 + 256)
+    assert need <= hint < need + (2 << 20) and hint % (2 << 20) == 0

@@ -208,3 +208,43 @@ def test_engram_window_bytes_needed_places_table_above_reserved_area():
   need = _ffi_engram.window_bytes_needed(rows_per_rank=10, dim=128, dtype=jnp.float8_e4m3fn,
                                          reserved_bytes=5000)
   assert need == 5120 + 10 * 128
+
+
+def test_published_tables_lower_to_one_publish_each_and_fetches_that_take_its_token(monkeypatch):
+  """engram_publish(backend="cuda") twice (the second above the first) and
+  three fetches: two publish calls with table_end_offset 0 and below the
+  first table, and every fetch consumes its own table's token."""
+  import dataclasses as dc
+  import jax_ep
+  from jax_ep.ops import _backend
+
+  @dc.dataclass
+  class _Comm:
+    comm_id: int = COMM_ID
+    num_ranks: int = 2
+
+  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
+  R, VL, D, T, E = 2, 1000, 128, 16, 3
+  mesh = _mesh(R)
+
+  def per_rank(t1, t2, idx):
+    p1 = jax_ep.engram_publish(t1, backend="cuda")
+    p2 = jax_ep.engram_publish(t2, backend="cuda", above=p1)
+    i = idx.reshape(T, E)
+    a = jax_ep.engram_fetch(p1, i)
+    b = jax_ep.engram_fetch(p2, i)
+    c = jax_ep.engram_fetch(p1, i + 1)
+    return (a.astype(jnp.float32) + b + c.astype(jnp.float32)).reshape(1, T, E, D)
+
+  f = _shard_map(per_rank, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep"))
+  text = _export_text(f, jax.ShapeDtypeStruct((R * VL, D), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((R * VL, D), jnp.float32),
+                      jax.ShapeDtypeStruct((R, T * E), jnp.int32))
+  pubs = _custom_calls(text, "jax_ep_engram_publish")
+  fetches = _custom_calls(text, "jax_ep_engram_fetch")
+  assert len(pubs) == 2 and len(fetches) == 3, text
+  offsets = sorted(int(re.search(r"table_end_offset = (\d+) : i64", p).group(1)) for p in pubs)
+  assert offsets == [0, VL * D * 2 + 256], offsets
+  tokens = [re.match(r"\s*(%\S+)", p).group(1) for p in pubs]
+  for fc in fetches:
+    assert sum(t in fc.split("(", 1)[1] for t in tokens) == 1, fc

@@ -3,13 +3,15 @@
 // jax_ep/_ffi_engram.py. Window layout: kernels/engram_layout.h.
 //
 // jax_ep_engram_publish
-//   attrs: comm_id i64, reserved_bytes i64 (window bytes from the base that
+//   attrs: comm_id i64, table_end_offset i64 (bytes between the table's end
+//          and the window's end: the tables published above it),
+//          reserved_bytes i64 (window bytes from the base that
 //          the normal ops of the same program need; the table goes above)
 //   args:  table [V/R, D] bf16/f16/f32/f8e4m3fn (this rank's shard)
 //   rets:  token s32 [1] (1 = published; feed it to fetch so XLA orders them)
 // jax_ep_engram_fetch
-//   attrs: comm_id i64, rows_per_rank i64 (V/R), reserved_bytes i64 (as for
-//          the publish), num_sms i32 (0 = model)
+//   attrs: comm_id i64, rows_per_rank i64 (V/R), reserved_bytes i64 and
+//          table_end_offset i64 (as for the publish), num_sms i32 (0 = model)
 //   args:  token s32 [1], indices s32 [T, e] (global row ids in [-1, V))
 //   rets:  rows [T, e, D] of the published table's dtype
 // jax_ep_engram_publish_fetch (both in one call: what the public op uses)
@@ -50,15 +52,20 @@ std::string Dims(ffi::Span<const int64_t> d) {
 
 // The same placement check for both targets (they must agree on table_off).
 ffi::Error PlaceTable(const char* op, const DeviceResources& dev, int64_t rows_per_rank,
-                      size_t row_bytes, int64_t reserved_bytes, EngramWindow* w) {
+                      size_t row_bytes, int64_t reserved_bytes, int64_t end_offset,
+                      EngramWindow* w) {
   if (reserved_bytes < 0) return Invalid(op, "reserved_bytes must be >= 0");
-  *w = EngramWindow(dev.window_bytes, rows_per_rank, row_bytes, static_cast<size_t>(reserved_bytes));
+  if (end_offset < 0) return Invalid(op, "table_end_offset must be >= 0");
+  *w = EngramWindow(dev.window_bytes, rows_per_rank, row_bytes, static_cast<size_t>(reserved_bytes),
+                    static_cast<size_t>(end_offset));
   if (!w->fits) {
     return Invalid(op, "the symmetric window is too small for the Engram table: it needs " +
                            std::to_string(w->need) + " bytes (" + std::to_string(w->table_bytes) +
                            " for the table shard [" + std::to_string(rows_per_rank) + " rows x " +
-                           std::to_string(row_bytes) + " bytes] placed at the end of the window, "
-                           "above " + std::to_string(w->need - w->table_bytes) +
+                           std::to_string(row_bytes) + " bytes] placed " +
+                           std::to_string(end_offset) + " bytes below the end of the window "
+                           "(the tables published above it), above " +
+                           std::to_string(w->need - w->table_bytes - end_offset) +
                            " bytes for the runtime header and reserved_bytes=" +
                            std::to_string(reserved_bytes) + " of dispatch/combine) but the "
                            "Communicator has " + std::to_string(dev.window_bytes) +
@@ -69,7 +76,8 @@ ffi::Error PlaceTable(const char* op, const DeviceResources& dev, int64_t rows_p
 
 // Checks `table` and fills the publish launch (except the token).
 ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBuffer& table,
-                          int64_t reserved_bytes, EngramPublishArgs* a, size_t* row_bytes_out) {
+                          int64_t reserved_bytes, int64_t end_offset, EngramPublishArgs* a,
+                          size_t* row_bytes_out) {
   const auto td = table.dimensions();
   if (td.size() != 2) return Invalid(op, "table must be the local shard [V/R, D], got " + Dims(td));
   if (!TableDtype(table.element_type()))
@@ -80,7 +88,8 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
     return Invalid(op, "row bytes (D * dtype bytes = " + std::to_string(row_bytes) +
                            ") must be a positive multiple of 16");
   EngramWindow w(0, 0, 0, 0);
-  if (ffi::Error err = PlaceTable(op, dev, td[0], row_bytes, reserved_bytes, &w); err.failure()) {
+  if (ffi::Error err = PlaceTable(op, dev, td[0], row_bytes, reserved_bytes, end_offset, &w);
+      err.failure()) {
     return err;
   }
   a->table = table.untyped_data();
@@ -93,7 +102,8 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
 // Checks indices / rows and fills the fetch launch.
 ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<ffi::S32>& indices,
                         ffi::Result<ffi::AnyBuffer>& rows, int64_t rows_per_rank,
-                        int64_t reserved_bytes, int32_t num_sms, EngramFetchArgs* a) {
+                        int64_t reserved_bytes, int64_t end_offset, int32_t num_sms,
+                        EngramFetchArgs* a) {
   const auto id = indices.dimensions();
   const auto od = rows->dimensions();
   if (id.size() != 2) return Invalid(op, "indices must be [T, e], got " + Dims(id));
@@ -113,7 +123,7 @@ ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<
   if (n > 0 && static_cast<uint64_t>(n) * row_bytes >= (uint64_t{1} << 31))
     return Invalid(op, "T * e * row bytes must be < 2^31 (split the lookup)");
   EngramWindow w(0, 0, 0, 0);
-  if (ffi::Error err = PlaceTable(op, dev, rows_per_rank, row_bytes, reserved_bytes, &w);
+  if (ffi::Error err = PlaceTable(op, dev, rows_per_rank, row_bytes, reserved_bytes, end_offset, &w);
       err.failure()) {
     return err;
   }
@@ -128,7 +138,8 @@ ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<
 }
 
 ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
-                                int64_t comm_id, int64_t reserved_bytes, ffi::AnyBuffer table,
+                                int64_t comm_id, int64_t reserved_bytes,
+                                int64_t table_end_offset, ffi::AnyBuffer table,
                                 ffi::Result<ffi::Buffer<ffi::S32>> token) {
   constexpr const char* kOp = "engram_publish";
   DeviceLease lease;
@@ -138,7 +149,8 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   if (token->element_count() != 1) return Invalid(kOp, "token must be s32 [1]");
   EngramPublishArgs a;
   size_t row_bytes = 0;
-  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, &a, &row_bytes);
+  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, table_end_offset, &a,
+                                     &row_bytes);
       err.failure()) {
     return err;
   }
@@ -151,7 +163,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
 
 ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                               int64_t comm_id, int64_t rows_per_rank, int64_t reserved_bytes,
-                              int32_t num_sms, ffi::Buffer<ffi::S32> token,
+                              int64_t table_end_offset, int32_t num_sms, ffi::Buffer<ffi::S32> token,
                               ffi::Buffer<ffi::S32> indices, ffi::Result<ffi::AnyBuffer> rows) {
   constexpr const char* kOp = "engram_fetch";
   DeviceLease lease;
@@ -161,7 +173,7 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
   if (token.element_count() != 1) return Invalid(kOp, "token must be the s32 [1] of engram_publish");
   EngramFetchArgs a;
   if (ffi::Error err = PrepareFetch(kOp, *lease.dev, indices, rows, rows_per_rank, reserved_bytes,
-                                    num_sms, &a);
+                                    table_end_offset, num_sms, &a);
       err.failure()) {
     return err;
   }
@@ -189,13 +201,14 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   size_t row_bytes = 0;
   // Every check of both halves runs before anything is enqueued: a failing
   // call enqueues no barrier, so the ranks' barrier sequences stay in step.
-  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, &pa, &row_bytes);
+  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, /*end_offset=*/0, &pa,
+                                     &row_bytes);
       err.failure()) {
     return err;
   }
   EngramFetchArgs fa;
   if (ffi::Error err = PrepareFetch(kOp, *lease.dev, indices, rows, table.dimensions()[0],
-                                    reserved_bytes, num_sms, &fa);
+                                    reserved_bytes, /*end_offset=*/0, num_sms, &fa);
       err.failure()) {
     return err;
   }
@@ -215,6 +228,7 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishExecute, jax_ep::EngramPublishExecute,
                               jax_ep::BindEpExecute()
                                   .Attr<int64_t>("reserved_bytes")
+                                  .Attr<int64_t>("table_end_offset")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
@@ -222,6 +236,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramFetchExecute, jax_ep::EngramFetchExecut
                               jax_ep::BindEpExecute()
                                   .Attr<int64_t>("rows_per_rank")
                                   .Attr<int64_t>("reserved_bytes")
+                                  .Attr<int64_t>("table_end_offset")
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

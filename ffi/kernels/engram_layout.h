@@ -17,6 +17,13 @@
 // is symmetric (same size on every rank) and every rank publishes a shard of
 // the same shape, so every rank computes the same table_off for every peer.
 //
+// Several tables (one per Engram layer) sit side by side, stacked downwards
+// from the end: a table published with end_offset = E ends E bytes below the
+// window's end (the tables above it take those bytes; Python adds them up,
+// docs/design.md §2), so
+//
+//   table_off = AlignDown256(window_bytes - end_offset - table_bytes).
+//
 // The kernels cannot check reserved_bytes against what a dispatch/combine
 // actually writes: a caller that under-states it gets a dispatch that
 // overwrites the table's first rows. The error is raised only when the
@@ -38,13 +45,14 @@ struct EngramWindow {
   size_t need = 0;         // smallest window that holds reserved + table
   bool fits = false;
 
-  EngramWindow(size_t window_bytes, int64_t rows_per_rank, size_t row_bytes, size_t reserved_bytes) {
+  EngramWindow(size_t window_bytes, int64_t rows_per_rank, size_t row_bytes, size_t reserved_bytes,
+               size_t end_offset = 0) {
     table_bytes = static_cast<size_t>(rows_per_rank) * row_bytes;
     const size_t low = reserved_bytes > kWindowHeaderBytes ? reserved_bytes : kWindowHeaderBytes;
     const size_t low_aligned = (low + kEngramAlign - 1) / kEngramAlign * kEngramAlign;
-    need = low_aligned + table_bytes;
-    if (window_bytes >= table_bytes) {
-      table_off = (window_bytes - table_bytes) / kEngramAlign * kEngramAlign;
+    need = low_aligned + table_bytes + end_offset;
+    if (window_bytes >= table_bytes + end_offset) {
+      table_off = (window_bytes - end_offset - table_bytes) / kEngramAlign * kEngramAlign;
       fits = table_off >= low;
     }
   }

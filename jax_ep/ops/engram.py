@@ -1,11 +1,20 @@
 """Engram remote-row lookups from a table split contiguously over the EP ranks.
 
+Two ways to call it:
+- `published = engram_publish(table_shard)` once per table update (once for
+  inference; after each optimizer step in training), then any number of
+  `engram_fetch(published, indices)`: the publish is paid once, not per fetch.
+  Several tables stack in the window with `engram_publish(t2, above=p1)`.
+- `engram_fetch(table_shard, indices)`: publish and fetch in one call (what
+  the op did before publish existed).
+
 Backends: the reference (pure JAX request/response all_to_all) unless the
 caller passes backend="cuda" explicitly; backend=None / "auto" / "reference"
 all run the reference. The CUDA path (publish the local shard into the
-symmetric window, then one-sided NVLink loads from the owners) is not yet
-validated on a GPU, so it is never picked automatically. The gradient is the
-reference's `engram_table_grad` for both backends.
+symmetric window, then one-sided NVLink loads from the owners) passed its GPU
+tests in the fused form; the separate publish / fetch targets with stacked
+tables have not run on a GPU yet, so it is never picked automatically. The
+gradient is the reference's `engram_table_grad` for both backends.
 """
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import reference as ref
-from jax_ep._types import Pending
+from jax_ep._types import Pending, PublishedTable
 from jax_ep.ops import _backend
 
 
@@ -57,6 +66,103 @@ def _rows(table, indices, *, axis_name: str, backend: Optional[str], reserved_by
   return _backend.run("cuda", axis_name, reference, cuda, table, indices.astype(jnp.int32))
 
 
+_ALIGN = 256
+
+
+def engram_publish(table: jax.Array, scales: Optional[jax.Array] = None, *,
+                   axis_name: str = "ep", backend: Optional[str] = None,
+                   reserved_bytes: int = 0,
+                   above: Optional[PublishedTable] = None) -> PublishedTable:
+  """Makes this rank's shard [V/R, D] of a table readable by every rank.
+
+  Args:
+    table: the local shard (bf16/f16/f32, or float8_e4m3fn with `scales`).
+    scales: FP8 tables: per-row scales [V] f32, replicated on every rank.
+    backend: None / "reference" keep the shard where it is (the reference
+      fetch exchanges rows by all_to_all); "cuda" copies it into the
+      Communicator's symmetric window once, for NVLink-load fetches.
+    reserved_bytes: "cuda": window bytes from the base that dispatch/combine
+      of the same program need; the tables sit above them, at the end.
+    above: another table published into the same window; this one goes just
+      below it (one table per Engram layer, side by side).
+  Returns:
+    A PublishedTable for engram_fetch / engram_fetch_start.
+  """
+  if table.ndim != 2:
+    raise ValueError(f"table must be the local shard [V/R, D], got shape {list(table.shape)}")
+  _check(table, jnp.zeros((0, 1), jnp.int32), scales, axis_name, backend, reserved_bytes)
+  if above is not None and not isinstance(above, PublishedTable):
+    raise ValueError(f"above must be a PublishedTable, got {type(above).__name__}")
+  end = 0
+  if above is not None:
+    from jax_ep import _ffi_engram
+    size = _ffi_engram.table_bytes(rows_per_rank=above.table.shape[0], dim=above.table.shape[1],
+                                   dtype=above.table.dtype)
+    # A table's start is rounded down to 256 bytes: leave that slack too.
+    end = above.table_end_offset + -(-size // _ALIGN) * _ALIGN + _ALIGN
+  if backend != "cuda":
+    return PublishedTable(table=table, scales=scales, token=None, axis_name=axis_name,
+                          backend="reference", reserved_bytes=int(reserved_bytes),
+                          table_end_offset=end)
+
+  def reference(t):  # unused with backend="cuda"; run() wants one
+    return jnp.ones((1,), jnp.int32)
+
+  def cuda(comm):
+    from jax_ep import _ffi_engram
+    return lambda t: _ffi_engram.publish_cuda(t, comm_id=comm.comm_id,
+                                              reserved_bytes=int(reserved_bytes),
+                                              table_end_offset=end)
+
+  token = _backend.run("cuda", axis_name, reference, cuda, table)
+  return PublishedTable(table=table, scales=scales, token=token, axis_name=axis_name,
+                        backend="cuda", reserved_bytes=int(reserved_bytes), table_end_offset=end)
+
+
+def _published_rows(p: PublishedTable, indices: jax.Array) -> jax.Array:
+  """Rows [T, e, D] of a published table (no scales), differentiable in p.table."""
+  if p.backend != "cuda":
+    return _fetch_vjp(p.axis_name, "reference", p.reserved_bytes, p.table, indices)
+  return _fetch_published_vjp(p.axis_name, p.reserved_bytes, p.table_end_offset, p.table,
+                              p.token, indices)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices):
+  def reference(token, indices):  # unused with backend="cuda"; run() wants one
+    raise AssertionError("unreachable")
+
+  def cuda(comm):
+    from jax_ep import _ffi_engram
+    return lambda token, indices: _ffi_engram.fetch_cuda(
+        token, indices, rows_per_rank=table.shape[0], dim=table.shape[1], dtype=table.dtype,
+        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, table_end_offset=end)
+
+  return _backend.run("cuda", axis_name, reference, cuda, token, indices.astype(jnp.int32))
+
+
+def _fetch_published_fwd(axis_name, reserved_bytes, end, table, token, indices):
+  out = _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices)
+  return out, (indices, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _fetch_published_bwd(axis_name, reserved_bytes, end, res, d_rows):
+  del reserved_bytes, end
+  indices, like = res
+  return (ref.engram_table_grad(d_rows, indices, like.shape[0], like.dtype, axis_name=axis_name),
+          None, None)
+
+
+_fetch_published_vjp.defvjp(_fetch_published_fwd, _fetch_published_bwd)
+
+
+def _check_published(p: PublishedTable, indices: jax.Array) -> None:
+  if indices.ndim != 2 or not jnp.issubdtype(indices.dtype, jnp.integer):
+    raise ValueError(f"indices must be int32 [T, e], got {indices.dtype}{list(indices.shape)}")
+  if p.backend == "cuda" and p.token is None:
+    raise ValueError("this PublishedTable has no publish token; make it with engram_publish")
+
+
 def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",
                        scales: Optional[jax.Array] = None, backend: Optional[str] = None,
                        reserved_bytes: int = 0) -> Any:
@@ -72,6 +178,13 @@ def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str =
     dispatch/combine in the same program need; the table is placed above
     them, at the end of the window, and a window too small for both raises.
   """
+  if isinstance(table, PublishedTable):
+    p = table
+    _check_published(p, indices)
+    if p.backend != "cuda":
+      return ref.engram_fetch_start(p.table, indices, axis_name=p.axis_name, scales=p.scales)
+    return Pending((_published_rows(p, indices), indices, p.scales), op="engram_fetch",
+                   axis_name=p.axis_name, rows_per_rank=p.table.shape[0], backend="cuda")
   _check(table, indices, scales, axis_name, backend, reserved_bytes)
   if backend != "cuda":
     return ref.engram_fetch_start(table, indices, axis_name=axis_name, scales=scales)
@@ -104,7 +217,16 @@ def engram_fetch(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",
 
   backend / reserved_bytes: as for `engram_fetch_start`; the reference unless
   backend="cuda" is passed explicitly.
+
+  `table` may instead be a PublishedTable from engram_publish: then the rows
+  come from that publication (its backend, scales and placement; the other
+  keyword arguments are not used) and the gradient flows to its shard.
   """
+  if isinstance(table, PublishedTable):
+    _check_published(table, indices)
+    if table.scales is not None:
+      return engram_fetch_wait(engram_fetch_start(table, indices))
+    return _published_rows(table, indices)
   _check(table, indices, scales, axis_name, backend, reserved_bytes)
   if scales is not None:
     return engram_fetch_wait(engram_fetch_start(table, indices, axis_name=axis_name,

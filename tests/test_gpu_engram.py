@@ -178,3 +178,26 @@ def test_engram_cuda_window_too_small_names_the_bytes(comm):
                                                     comm.mesh, jax.sharding.PartitionSpec(h.AXIS))),
                                 idx))
     comm.check()
+
+
+def test_published_tables_side_by_side_fetch_bitwise_many_times(comm):
+    """engram_publish(backend="cuda") of two tables (the second above the
+    first: stacked at the window's end) and three fetches from them in one
+    program: every fetch bitwise equal to the oracle."""
+    R = comm.num_ranks
+    rng = np.random.default_rng(31000)
+    s1 = _table(rng, (R, 4096, D), BF16)
+    s2 = _table(rng, (R, 1024, D), BF16)
+    i1, i2, i3 = (_indices(rng, R, R * v) for v in (4096, 1024, 4096))
+
+    def fn(t1, t2, a, b, c):
+        p1 = jax_ep.engram_publish(t1, axis_name=h.AXIS, backend="cuda")
+        p2 = jax_ep.engram_publish(t2, axis_name=h.AXIS, backend="cuda", above=p1)
+        return (jax_ep.engram_fetch(p1, a), jax_ep.engram_fetch(p2, b),
+                jax_ep.engram_fetch(p1, c))
+
+    f = h.per_rank_jit(comm.mesh, fn)
+    outs = jax.block_until_ready(f(*(h.put(comm.mesh, v) for v in (s1, s2, i1, i2, i3))))
+    comm.check()
+    for got, shards, idx in zip(outs, (s1, s2, s1), (i1, i2, i3)):
+        np.testing.assert_array_equal(bits(np.asarray(got)), _oracle_bits(shards, idx))

@@ -12,8 +12,9 @@ device. In one run, every implementation warmed up before it is timed:
   jax_ep_masked      masked_grouped_matmul at the low-latency decode grid
   jax_ep_fp8         grouped_matmul_fp8 (up projection), beside the bf16 kernel
 
-and each kernel alone (kernel_fwd / kernel_dx / kernel_dw) on the routed
-sizes and on uniform 256-row groups, where the 128-row tiles waste nothing.
+and each kernel alone (kernel_fwd / kernel_dx / kernel_dw, and
+kernel_fwd_tile64: the forward swapped with 64-row tiles) on the routed sizes
+and on uniform 256-row groups, where the 128-row tiles waste nothing.
 
 for the forward (`fwd`) and forward + backward (`fwd_bwd`: out, dx, dw).
 TFLOP/s count the useful FLOPs (2 * 32768 * H * F per product, three products
@@ -67,14 +68,30 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
     calls = {
         "kernel_fwd": (lambda a, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
             a, b, s, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
+        "kernel_fwd_tile64": (lambda a, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
+            a, b, s, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16,
+            tile_rows=64), (x, w)),
         "kernel_dx": (lambda d, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
             d, b, s, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
         "kernel_dw": (lambda a, d, s=sizes: _ffi.grouped_gemm_cuda(
             a, d, s, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
             out_dtype=jnp.bfloat16), (x, dy)),
     }
-    for f, a in calls.values():
-      jax.block_until_ready(jax.jit(f)(*a))
+    for prod, (f, a) in list(calls.items()):
+      try:
+        jax.block_until_ready(jax.jit(f)(*a))
+      except Exception as e:  # noqa: BLE001 - an experimental kernel must not hide the others
+        print(f"  {routing} {prod}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        calls.pop(prod)
+    if "kernel_fwd_tile64" in calls:  # the swapped kernel must agree before it is timed
+      f0, a0 = calls["kernel_fwd"]
+      f1, _ = calls["kernel_fwd_tile64"]
+      r0 = jax.jit(f0)(*a0).astype(jnp.float32)
+      r1 = jax.jit(f1)(*a0).astype(jnp.float32)
+      err = float(jnp.linalg.norm(r1 - r0) / jnp.linalg.norm(r0))
+      print(f"  {routing} tile_rows=64 vs 128: relative difference {err:.2e}", flush=True)
+      if not err < 1e-2:
+        calls.pop("kernel_fwd_tile64")
     for prod, (f, a) in calls.items():
       t = bn.time_or_none(f"{routing} {prod}", f, a, quick, max_iters=10)
       rec("up", prod, "jax_ep", t, flops, dense_fwd_t, routing=routing, padded_rows=m)

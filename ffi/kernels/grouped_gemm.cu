@@ -4,8 +4,16 @@
 
 namespace jax_ep {
 
+namespace {
+bool Swapped(const GroupedGemmArgs& a) {
+  return a.kind == GgKind::kForward && a.tile_rows == 64 && a.out_dtype == GgOut::kBF16;
+}
+}  // namespace
+
 size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
+  if (Swapped(args)) return GgScratchForwardSwapped(args, sms);
   switch (args.kind) {
+    case GgKind::kForwardSwapped: return GgScratchForwardSwapped(args, sms);
     case GgKind::kForward: return GgScratchForward(args, sms);
     case GgKind::kTransW: return GgScratchTransW(args, sms);
     case GgKind::kWeightGrad: return GgScratchWeightGrad(args, sms);
@@ -16,7 +24,10 @@ size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
 
 const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes,
                               int sms, cudaStream_t stream) {
+  if (Swapped(args)) return GgRunForwardSwapped(args, scratch, scratch_bytes, sms, stream);
   switch (args.kind) {
+    case GgKind::kForwardSwapped:
+      return GgRunForwardSwapped(args, scratch, scratch_bytes, sms, stream);
     case GgKind::kForward: return GgRunForward(args, scratch, scratch_bytes, sms, stream);
     case GgKind::kTransW: return GgRunTransW(args, scratch, scratch_bytes, sms, stream);
     case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, scratch_bytes, sms, stream);

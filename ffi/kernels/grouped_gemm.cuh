@@ -37,7 +37,19 @@ struct Schedule {
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <class LayoutA, class LayoutB, class ElementD, class Sched = Schedule>
+// Swapped operands for the forward (tile_rows = 64): out^T[F, rows_g] =
+// w[g]^T · x_g^T, so the ragged dimension is N, where a 64-wide tile wastes
+// at most 63 rows per group instead of 127; D is written column-major, which
+// is out row-major. Two CTAs along M (F) share each x tile by multicast.
+struct SwappedSchedule {
+  using Tile = cute::Shape<cute::_128, cute::_64, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <class LayoutA, class LayoutB, class ElementD, class Sched = Schedule,
+          class LayoutD = cutlass::layout::RowMajor>
 struct Config {
   using TileShape = typename Sched::Tile;
   using ClusterShape = typename Sched::Cluster;
@@ -46,8 +58,8 @@ struct Config {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor*, kAlignD,  // no C operand
-      ElementD, cutlass::layout::RowMajor*, kAlignD, typename Sched::Epi>::CollectiveOp;
+      void, LayoutD*, kAlignD,  // no C operand
+      ElementD, LayoutD*, kAlignD, typename Sched::Epi>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignIn, Bf16,
       LayoutB*, kAlignIn, float, TileShape, ClusterShape,
@@ -209,7 +221,17 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
     if (live) {
       arr.sizes[g] = m;
       arr.starts[g] = start;
-      if constexpr (kKind == GgKind::kForward) {
+      if constexpr (kKind == GgKind::kForwardSwapped) {
+        // A' = w[g]^T (M = F, M-major), B' = x_g^T (N = rows, K-major),
+        // D' = out_g^T column-major: all three as stored, nothing moves.
+        arr.shapes[g] = ProblemMNK(static_cast<int>(F), m, static_cast<int>(H));
+        arr.a[g] = b + g * H * F;
+        arr.b[g] = a + start * H;
+        arr.d[g] = out + start * F;
+        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {int(F), int(H), 1});
+        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {m, int(H), 1});
+        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {int(F), m, 1});
+      } else if constexpr (kKind == GgKind::kForward) {
         arr.shapes[g] = ProblemMNK(m, static_cast<int>(F), static_cast<int>(H));
         arr.a[g] = a + start * H;
         arr.b[g] = b + g * H * F;

@@ -80,24 +80,25 @@ def _match_vma(out: Array, *ins: Array) -> Array:
 # --- the CUDA path: three kernels tied together by custom_vjp -------------
 
 
-def _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms):
+def _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms, tile_rows):
   rows_shape = x.shape[:-1]
   out = _ffi.grouped_gemm_cuda(x, w, sizes, kind=_ffi.GG_FORWARD,
                                out_shape=(*rows_shape, w.shape[2]), out_dtype=out_dtype,
-                               group_stride=stride, num_sms=num_sms)
+                               group_stride=stride, num_sms=num_sms, tile_rows=tile_rows)
   return _match_vma(out, x, w, sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped_cuda(x, w, sizes, out_dtype, stride, num_sms):
-  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _grouped_cuda(x, w, sizes, out_dtype, stride, num_sms, tile_rows):
+  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms, tile_rows)
 
 
-def _grouped_cuda_fwd(x, w, sizes, out_dtype, stride, num_sms):
-  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms), (x, w, sizes)
+def _grouped_cuda_fwd(x, w, sizes, out_dtype, stride, num_sms, tile_rows):
+  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms, tile_rows), (x, w, sizes)
 
 
-def _grouped_cuda_bwd(out_dtype, stride, num_sms, res, dy):
+def _grouped_cuda_bwd(out_dtype, stride, num_sms, tile_rows, res, dy):
+  del tile_rows  # the backward kernels keep 128-row tiles
   x, w, sizes = res
   # The backward kernels take bf16 operands: an f32 cotangent is rounded to
   # bf16 (the precision of the forward's operands).
@@ -129,10 +130,15 @@ def _masked_reference(x, w, counts, out_dtype):
   return jnp.where(valid, out, 0).astype(out_dtype)
 
 
-def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference):
+def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference, tile_rows=128):
   if out_dtype is None:
     out_dtype = x.dtype
   out_dtype = jnp.dtype(out_dtype)
+  if tile_rows not in (64, 128):
+    raise ValueError(f"tile_rows must be 64 or 128, got {tile_rows}")
+  if tile_rows == 64 and out_dtype != jnp.dtype(jnp.bfloat16):
+    raise ValueError("tile_rows=64 (the swapped forward kernel) writes bf16 only; "
+                     f"got out_dtype {out_dtype}")
   sizes = sizes.astype(jnp.int32)
   ref = functools.partial(reference, out_dtype=out_dtype)
   use_kernel = _native.cuda_built() and _kernel_ok(x, w, out_dtype)
@@ -145,14 +151,15 @@ def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference):
       raise ValueError("backend='cuda': the grouped GEMM kernel takes bf16 x and w with H and F "
                        f"multiples of 8 and a bf16/f32 output; got x {x.dtype}, w {w.dtype} "
                        f"{list(w.shape)}, out {out_dtype}")
-  kernel = lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, num_sms or 0)
+  kernel = lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, num_sms or 0, tile_rows)
   if backend == "cuda":
     return kernel(x, w, sizes)
   return lax.platform_dependent(x, w, sizes, default=ref, cuda=kernel)
 
 
 def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
-                   backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
+                   backend: Optional[str] = None, num_sms: Optional[int] = None,
+                   tile_rows: int = 128) -> Array:
   """out[rows of group g] = x[rows of group g] @ w[g], groups contiguous.
 
   Args:
@@ -167,12 +174,16 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
       "reference" or "cuda".
     num_sms: SMs the kernel may use (default all), e.g. to leave room for
       communication running beside it.
+    tile_rows: rows per tile of the forward kernel: 128 (measured, the
+      default), or 64 (bf16 out: the product computed swapped, so a group
+      wastes at most 63 rows of a tile instead of 127; not yet measured,
+      docs/grouped_gemm.md). The gradients keep 128.
   Returns:
     [M, F] in out_dtype.
   """
   _check(x, w, group_sizes, masked=False, out_dtype=out_dtype, backend=backend)
   return _run(x, w, group_sizes, out_dtype=out_dtype, stride=0, backend=backend,
-              num_sms=num_sms, reference=_ragged_reference)
+              num_sms=num_sms, reference=_ragged_reference, tile_rows=tile_rows)
 
 
 def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,

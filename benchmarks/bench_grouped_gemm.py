@@ -117,15 +117,19 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
           if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def kernel_summary(events: list[dict], calls: int) -> dict:
+GEMM_FAMILIES = (("GemmUniversal", "GemmUniversal"), ("PrepGroups", "PrepGroups"),
+                 ("ZeroTailRows", "ZeroTailRows"), ("ZeroEmptyGroups", "ZeroEmptyGroups"),
+                 ("RegroupScales", "RegroupScales"))
+
+
+def kernel_summary(events: list[dict], calls: int, families=GEMM_FAMILIES) -> dict:
   """GPU time per call (µs): each kernel family's total over `calls`, and
-  all kernels together. Families: the CUTLASS grouped kernel, our prep and
-  fill kernels, everything else by its first 40 characters."""
+  all kernels together. `families`: (substring, family) pairs, first match
+  wins; a kernel matching none is its own family (first 40 characters)."""
   def family(name: str) -> str:
-    for key in ("GemmUniversal", "PrepGroups", "ZeroTailRows", "ZeroEmptyGroups",
-                "RegroupScales"):
+    for key, fam in families:
       if key in name:
-        return key
+        return fam
     return name[:40]
   per = {}
   for e in events:

@@ -18,7 +18,8 @@ one run, each variant warmed up before any is timed:
                        on the same routing: the floor the step is held to
 
 The loss is mean(out²) summed over ranks; gradients w.r.t. router, w_in and
-w_out. Before timing, all variants are run at a capacity with no drops and
+w_out. The jax_ep step is also profiled (jax.profiler): GPU time per step in
+dispatch / combine, in the expert GEMMs and in the rest. Before timing, all variants are run at a capacity with no drops and
 their losses and gradients compared (bf16 tolerance). Records: bench =
 moe_step (results/moe.json); `--tokens 512` and `--sweep` for other sizes.
 The MaxText-style sort + ragged_all_to_all + ragged_dot layer is not here:
@@ -40,7 +41,14 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench_grouped_gemm as bg  # noqa: E402
 import bench_normal as bn  # noqa: E402
+
+# Where a MoE step's GPU time goes (jax_ep's kernel names, then XLA's).
+STEP_FAMILIES = (("Dispatch", "dispatch_combine"), ("Combine", "dispatch_combine"),
+                 ("Layout", "dispatch_combine"), ("GemmUniversal", "expert_gemms"),
+                 ("PrepGroups", "expert_gemms"), ("ZeroTailRows", "expert_gemms"),
+                 ("ZeroEmptyGroups", "expert_gemms"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +298,36 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
     timing = "-" if t is None else f"{t * 1e3:9.2f} ms"
     gemms = "" if ratio is None else f"  x{ratio:.2f} of its GEMMs"
     print(f"  T={shape.tokens:5d} {impl:22s} {timing:>12s}{gemms}", flush=True)
+  if steps.get("jax_ep") is not None:
+    _profile_step(steps["jax_ep"], (params, x), records, quick)
   return records
+
+
+def _profile_step(step, args, records: list[dict], quick: bool) -> None:
+  """The jax_ep step under jax.profiler: GPU time per step in dispatch /
+  combine kernels, in the expert GEMMs, and in everything else (XLA)."""
+  import tempfile
+  import jax
+  iters, repeats = (1, 1) if quick else (2, 2)
+  try:
+    tdir = tempfile.mkdtemp(prefix="jax_ep_moe_prof_")
+    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+      bn._time_step(step, args, iters=iters, repeats=repeats)
+    summ = bg.kernel_summary(bg.gpu_kernel_events(tdir), calls=iters * (2 + repeats),
+                             families=STEP_FAMILIES)
+  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+    print(f"  profile: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return
+  total = summ["all_kernels"]
+  comm = summ.get("dispatch_combine", 0.0)
+  gemm = summ.get("expert_gemms", 0.0)
+  print(f"  profile (GPU µs per step): all kernels {total:.0f}, dispatch/combine {comm:.0f} "
+        f"({comm / max(total, 1e-9):.0%}), expert GEMMs {gemm:.0f} "
+        f"({gemm / max(total, 1e-9):.0%})", flush=True)
+  for r in records:
+    if r["impl"] == "jax_ep":
+      r.update(gpu_kernel_us=total, dispatch_combine_us=comm, expert_gemm_us=gemm,
+               dispatch_combine_share=comm / max(total, 1e-9))
 
 
 def main(argv=None) -> int:

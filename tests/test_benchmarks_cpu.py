@@ -79,3 +79,19 @@ def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):
     json.dump({"traceEvents": evs}, f)
   summ = bg.kernel_summary(bg.gpu_kernel_events(str(tmp_path)), calls=3)
   assert summ == {"PrepGroups": 2.0, "GemmUniversal": 80.0, "all_kernels": 82.0}
+
+
+def test_moe_profile_families_split_dispatch_combine_from_gemms():
+  sys.path.insert(0, BENCH)
+  try:
+    bm = importlib.import_module("bench_moe")
+    bg = importlib.import_module("bench_grouped_gemm")
+  finally:
+    sys.path.remove(BENCH)
+  evs = [dict(name="jax_ep::DispatchDataKernel", dur=30.0),
+         dict(name="jax_ep::CombineDataKernel", dur=20.0),
+         dict(name="cutlass::device_kernel<GemmUniversal<...>>", dur=100.0),
+         dict(name="loop_fusion_3", dur=50.0)]
+  summ = bg.kernel_summary(evs, calls=1, families=bm.STEP_FAMILIES)
+  assert summ["dispatch_combine"] == 50.0 and summ["expert_gemms"] == 100.0
+  assert summ["all_kernels"] == 200.0

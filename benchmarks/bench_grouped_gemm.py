@@ -102,17 +102,8 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
 def gpu_kernel_events(trace_dir: str) -> list[dict]:
   """Kernel events (name, ts, dur in µs) on the GPU timelines of the newest
   Perfetto trace that jax.profiler wrote under trace_dir."""
-  import glob
-  import gzip
-  import json
-  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-  if not files:
-    raise RuntimeError(f"no .trace.json.gz under {trace_dir}")
-  with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
-    data = json.load(f)
-  evs = data["traceEvents"] if isinstance(data, dict) else data
-  gpu_pids = {e["pid"] for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"
-              and "GPU" in str(e.get("args", {}).get("name", ""))}
+  evs, names = bn.load_trace(trace_dir)
+  gpu_pids = {pid for pid, name in names.items() if "GPU" in str(name)}
   return [dict(name=e.get("name", ""), ts=float(e["ts"]), dur=float(e["dur"])) for e in evs
           if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 

@@ -148,6 +148,22 @@ def time_or_none(label: str, fn, args, quick: bool, max_iters: Optional[int] = N
     return None
 
 
+def load_trace(trace_dir: str) -> tuple[list[dict], dict]:
+  """(trace events, process id -> process name) of the newest Perfetto trace
+  that jax.profiler wrote under trace_dir."""
+  import glob
+  import gzip
+  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise RuntimeError(f"no .trace.json.gz under {trace_dir}")
+  with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
+    data = json.load(f)
+  evs = data["traceEvents"] if isinstance(data, dict) else data
+  names = {e["pid"]: e["args"]["name"] for e in evs
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  return evs, names
+
+
 def simple_args(doc: str, argv=None) -> argparse.Namespace:
   """--out / --quick, the options of the benchmark scripts that time one shape."""
   ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

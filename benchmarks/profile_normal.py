@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import glob
-import gzip
 import json
 import os
 import re
@@ -38,14 +36,7 @@ def _short(name: str) -> str:
 
 
 def _events(trace_dir: str) -> list[dict]:
-  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-  if not files:
-    raise RuntimeError(f"no .trace.json.gz under {trace_dir}")
-  with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
-    data = json.load(f)
-  evs = data["traceEvents"] if isinstance(data, dict) else data
-  pname = {e["pid"]: e["args"]["name"] for e in evs
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  evs, pname = bench_normal.load_trace(trace_dir)
   out = []
   for e in evs:
     if e.get("ph") != "X":

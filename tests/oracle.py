@@ -479,6 +479,19 @@ def stable_seed(*parts) -> int:
   return zlib.crc32(repr(parts).encode())
 
 
+def grouped_matmul_grads(x, w, sizes, dy) -> tuple[np.ndarray, np.ndarray]:
+  """float64 (dx, dw) of grouped_matmul for the output cotangent dy: dx rows
+  of group g are dy_g @ w[g]^T (rows past the groups zero), dw[g] = x_g^T dy_g."""
+  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+  dx, dw = np.zeros_like(x64), np.zeros_like(w64)
+  start = 0
+  for g, n in enumerate(sizes):
+    dx[start:start + n] = dy64[start:start + n] @ w64[g].T
+    dw[g] = x64[start:start + n].T @ dy64[start:start + n]
+    start += n
+  return dx, dw
+
+
 def grouped_matmul(x, w, sizes) -> np.ndarray:
   """float64 products of group g's rows (contiguous, in order) with w[g];
   rows past the last group are zero."""

@@ -33,6 +33,19 @@ int DeviceSms(int ordinal) {
   return cache[ordinal];
 }
 
+// The checks of rows, H and F (set in g) that both targets share, and the
+// masked form's slot size: a is [G, S, .] with S = group_stride, or flat (0).
+ffi::Error SetSizesAndStride(GroupedGemmArgs& g, int64_t group_stride) {
+  if (g.rows >= (int64_t{1} << 31) || g.h >= (int64_t{1} << 31) || g.f >= (int64_t{1} << 31)) {
+    return Invalid("dimensions must be below 2^31");
+  }
+  if (group_stride < 0 || (group_stride > 0 && group_stride * g.num_groups != g.rows)) {
+    return Invalid("masked form: lhs must be [G, S, .] with S = group_stride");
+  }
+  g.group_stride = group_stride;
+  return ffi::Error::Success();
+}
+
 // The part every grouped GEMM call shares: SM count, workspace check, launch.
 ffi::Error Launch(const GroupedGemmArgs& g, cudaStream_t stream, int32_t device_ordinal,
                   int32_t num_sms, ffi::AnyBuffer workspace) {
@@ -44,7 +57,7 @@ ffi::Error Launch(const GroupedGemmArgs& g, cudaStream_t stream, int32_t device_
     return Invalid("workspace of " + std::to_string(workspace.size_bytes()) +
                    " bytes, the call needs " + std::to_string(need));
   }
-  if (const char* err = LaunchGroupedGemm(g, workspace.untyped_data(), need, sms, stream)) {
+  if (const char* err = LaunchGroupedGemm(g, workspace.untyped_data(), sms, stream)) {
     return ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") + err);
   }
   return ffi::Error::Success();
@@ -98,13 +111,7 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
       break;
   }
   if (g.h % 8 != 0 || g.f % 8 != 0) return Invalid("H and F must be multiples of 8");
-  if (g.rows >= (int64_t{1} << 31) || g.h >= (int64_t{1} << 31) || g.f >= (int64_t{1} << 31)) {
-    return Invalid("dimensions must be below 2^31");
-  }
-  if (group_stride < 0 || (group_stride > 0 && group_stride * g.num_groups != g.rows)) {
-    return Invalid("masked form: lhs must be [G, S, .] with S = group_stride");
-  }
-  g.group_stride = group_stride;
+  if (ffi::Error err = SetSizesAndStride(g, group_stride); err.failure()) return err;
   const int64_t out_elems = g.kind == GgKind::kWeightGrad ? g.num_groups * g.h * g.f
                             : g.rows * (g.kind == GgKind::kForward ? g.f : g.h);
   if (static_cast<int64_t>(out->element_count()) != out_elems) {
@@ -150,13 +157,8 @@ ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal,
   g.f = bd[1];
   g.rows = static_cast<int64_t>(a.element_count()) / g.h;
   if (g.h % 128 != 0 || g.f % 128 != 0) return Invalid("FP8: H and F must be multiples of 128");
-  if (g.rows >= (int64_t{1} << 31) || g.h * g.f >= (int64_t{1} << 31)) {
-    return Invalid("dimensions must be below 2^31");
-  }
-  if (group_stride < 0 || (group_stride > 0 && group_stride * g.num_groups != g.rows)) {
-    return Invalid("masked form: lhs must be [G, S, .] with S = group_stride");
-  }
-  g.group_stride = group_stride;
+  if (g.h * g.f >= (int64_t{1} << 31)) return Invalid("FP8: H * F must be below 2^31");
+  if (ffi::Error err = SetSizesAndStride(g, group_stride); err.failure()) return err;
   if (static_cast<int64_t>(a_scales.element_count()) != g.rows * (g.h / 128) ||
       static_cast<int64_t>(b_scales.element_count()) != g.num_groups * (g.h / 128) * (g.f / 128)) {
     return Invalid("FP8: scales must be [M, H/128] (or [G, S, H/128]) and [G, H/128, F/128]");

@@ -22,16 +22,16 @@ size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
   return 0;
 }
 
-const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes,
-                              int sms, cudaStream_t stream) {
-  if (Swapped(args)) return GgRunForwardSwapped(args, scratch, scratch_bytes, sms, stream);
+const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, int sms,
+                              cudaStream_t stream) {
+  if (Swapped(args)) return GgRunForwardSwapped(args, scratch, sms, stream);
   switch (args.kind) {
     case GgKind::kForwardSwapped:
-      return GgRunForwardSwapped(args, scratch, scratch_bytes, sms, stream);
-    case GgKind::kForward: return GgRunForward(args, scratch, scratch_bytes, sms, stream);
-    case GgKind::kTransW: return GgRunTransW(args, scratch, scratch_bytes, sms, stream);
-    case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, scratch_bytes, sms, stream);
-    case GgKind::kForwardFp8: return GgRunForwardFp8(args, scratch, scratch_bytes, sms, stream);
+      return GgRunForwardSwapped(args, scratch, sms, stream);
+    case GgKind::kForward: return GgRunForward(args, scratch, sms, stream);
+    case GgKind::kTransW: return GgRunTransW(args, scratch, sms, stream);
+    case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, sms, stream);
+    case GgKind::kForwardFp8: return GgRunForwardFp8(args, scratch, sms, stream);
   }
   return "unknown grouped GEMM kind";
 }

@@ -48,21 +48,23 @@ struct SwappedSchedule {
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <class LayoutA, class LayoutB, class ElementD, class Sched = Schedule,
-          class LayoutD = cutlass::layout::RowMajor>
-struct Config {
+// One CUTLASS grouped kernel: schedule, input element, the operands' global
+// layouts (plain tags, or (tag, scale layout) tuples for blockwise FP8), and
+// the output's element and layout. No C operand.
+template <class Sched, class Element, class GmemA, class GmemB, class ElementD, class LayoutD>
+struct GemmOf {
   using TileShape = typename Sched::Tile;
   using ClusterShape = typename Sched::Cluster;
-  static constexpr int kAlignIn = 16 / sizeof(Bf16);
+  static constexpr int kAlignIn = 16 / sizeof(Element);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlignD,  // no C operand
+      void, LayoutD*, kAlignD,
       ElementD, LayoutD*, kAlignD, typename Sched::Epi>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignIn, Bf16,
-      LayoutB*, kAlignIn, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, GmemA, kAlignIn, Element,
+      GmemB, kAlignIn, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       typename Sched::Kernel>::CollectiveOp;
@@ -72,7 +74,12 @@ struct Config {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
   using D = ElementD;
-  using In = Bf16;
+  using In = Element;
+};
+
+template <class LayoutA, class LayoutB, class ElementD, class Sched = Schedule,
+          class LayoutD = cutlass::layout::RowMajor>
+struct Config : GemmOf<Sched, Bf16, LayoutA*, LayoutB*, ElementD, LayoutD> {
   static constexpr bool kBlockScaled = false;
   using LayoutSFA = int;  // no scales
   using LayoutSFB = int;
@@ -90,36 +97,21 @@ struct Fp8Schedule {
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <class ElementD>
-struct Fp8Config {
-  using TileShape = typename Fp8Schedule::Tile;
-  using ClusterShape = typename Fp8Schedule::Cluster;
-  using In = cutlass::float_e4m3_t;
+struct Fp8Scales {
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+};
+
+template <class ElementD>
+struct Fp8Config
+    : GemmOf<Fp8Schedule, cutlass::float_e4m3_t,
+             cute::tuple<cutlass::layout::RowMajor*, Fp8Scales::LayoutSFA*>,
+             cute::tuple<cutlass::layout::ColumnMajor*, Fp8Scales::LayoutSFB*>, ElementD,
+             cutlass::layout::RowMajor> {
   static constexpr bool kBlockScaled = true;
-  static constexpr int kAlignIn = 16;
-  static constexpr int kAlignD = 16 / sizeof(ElementD);
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor*, kAlignD,
-      ElementD, cutlass::layout::RowMajor*, kAlignD, typename Fp8Schedule::Epi>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      In, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn,
-      In, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn, float, TileShape,
-      ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      typename Fp8Schedule::Kernel>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Problem, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using D = ElementD;
+  using LayoutSFA = Fp8Scales::LayoutSFA;
+  using LayoutSFB = Fp8Scales::LayoutSFB;
 };
 
 // The per-group arrays the grouped kernel reads, carved from one scratch
@@ -381,9 +373,7 @@ size_t ScratchBytes(const GroupedGemmArgs& args, int sms) {
 }
 
 template <class C, GgKind kKind>
-const char* Run(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes, int sms,
-                cudaStream_t stream) {
-  if (scratch_bytes < ScratchBytes<C>(args, sms)) return "scratch smaller than the op needs";
+const char* Run(const GroupedGemmArgs& args, void* scratch, int sms, cudaStream_t stream) {
   const Arrays<C> arr = Arrays<C>::Carve(scratch, args);
   PrepGroups<C, kKind><<<1, kPrepThreads, 0, stream>>>(args, arr);
   if (cudaGetLastError() != cudaSuccess) return "prep kernel launch failed";

@@ -72,10 +72,11 @@ size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int device_sms);
 // Enqueues the whole op on `stream`: prep, the grouped kernel, and the zero
 // fills the contract asks for (row outputs past the last group in the
 // contiguous form; weight-gradient groups with no rows). `scratch` holds
-// GroupedGemmScratchBytes(args) bytes, 256-aligned. Returns a message on
-// failure (nullptr on success); the message is static storage.
-const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, size_t scratch_bytes,
-                              int device_sms, cudaStream_t stream);
+// GroupedGemmScratchBytes(args, device_sms) bytes, 256-aligned (the caller
+// checks). Returns a message on failure (nullptr on success); the message is
+// static storage.
+const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, int device_sms,
+                              cudaStream_t stream);
 
 // One instance per (kind, out dtype); defined in grouped_gemm_<kind>.cu.
 size_t GgScratchForward(const GroupedGemmArgs&, int sms);
@@ -83,10 +84,10 @@ size_t GgScratchTransW(const GroupedGemmArgs&, int sms);
 size_t GgScratchWeightGrad(const GroupedGemmArgs&, int sms);
 size_t GgScratchForwardFp8(const GroupedGemmArgs&, int sms);
 size_t GgScratchForwardSwapped(const GroupedGemmArgs&, int sms);
-const char* GgRunForward(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
-const char* GgRunTransW(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
-const char* GgRunWeightGrad(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
-const char* GgRunForwardFp8(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
-const char* GgRunForwardSwapped(const GroupedGemmArgs&, void*, size_t, int, cudaStream_t);
+const char* GgRunForward(const GroupedGemmArgs&, void*, int, cudaStream_t);
+const char* GgRunTransW(const GroupedGemmArgs&, void*, int, cudaStream_t);
+const char* GgRunWeightGrad(const GroupedGemmArgs&, void*, int, cudaStream_t);
+const char* GgRunForwardFp8(const GroupedGemmArgs&, void*, int, cudaStream_t);
+const char* GgRunForwardSwapped(const GroupedGemmArgs&, void*, int, cudaStream_t);
 
 }  // namespace jax_ep

@@ -14,9 +14,9 @@ size_t GgScratchForward(const GroupedGemmArgs& a, int sms) {
                                     : gg::ScratchBytes<Bf16Out>(a, sms);
 }
 
-const char* GgRunForward(const GroupedGemmArgs& a, void* s, size_t n, int sms, cudaStream_t st) {
-  return a.out_dtype == GgOut::kF32 ? gg::Run<F32Out, GgKind::kForward>(a, s, n, sms, st)
-                                    : gg::Run<Bf16Out, GgKind::kForward>(a, s, n, sms, st);
+const char* GgRunForward(const GroupedGemmArgs& a, void* s, int sms, cudaStream_t st) {
+  return a.out_dtype == GgOut::kF32 ? gg::Run<F32Out, GgKind::kForward>(a, s, sms, st)
+                                    : gg::Run<Bf16Out, GgKind::kForward>(a, s, sms, st);
 }
 
 }  // namespace jax_ep

@@ -14,9 +14,9 @@ size_t GgScratchForwardSwapped(const GroupedGemmArgs& a, int sms) {
   return gg::ScratchBytes<Cfg>(a, sms);
 }
 
-const char* GgRunForwardSwapped(const GroupedGemmArgs& a, void* s, size_t n, int sms,
+const char* GgRunForwardSwapped(const GroupedGemmArgs& a, void* s, int sms,
                                 cudaStream_t st) {
-  return gg::Run<Cfg, GgKind::kForwardSwapped>(a, s, n, sms, st);
+  return gg::Run<Cfg, GgKind::kForwardSwapped>(a, s, sms, st);
 }
 
 }  // namespace jax_ep

@@ -11,9 +11,9 @@ size_t GgScratchForwardFp8(const GroupedGemmArgs& a, int sms) {
   return gg::ScratchBytes<Cfg>(a, sms);
 }
 
-const char* GgRunForwardFp8(const GroupedGemmArgs& a, void* s, size_t n, int sms,
+const char* GgRunForwardFp8(const GroupedGemmArgs& a, void* s, int sms,
                             cudaStream_t st) {
-  return gg::Run<Cfg, GgKind::kForwardFp8>(a, s, n, sms, st);
+  return gg::Run<Cfg, GgKind::kForwardFp8>(a, s, sms, st);
 }
 
 }  // namespace jax_ep

@@ -11,8 +11,8 @@ using Cfg = gg::Config<LA, LB, cutlass::bfloat16_t>;
 
 size_t GgScratchTransW(const GroupedGemmArgs& a, int sms) { return gg::ScratchBytes<Cfg>(a, sms); }
 
-const char* GgRunTransW(const GroupedGemmArgs& a, void* s, size_t n, int sms, cudaStream_t st) {
-  return gg::Run<Cfg, GgKind::kTransW>(a, s, n, sms, st);
+const char* GgRunTransW(const GroupedGemmArgs& a, void* s, int sms, cudaStream_t st) {
+  return gg::Run<Cfg, GgKind::kTransW>(a, s, sms, st);
 }
 
 }  // namespace jax_ep

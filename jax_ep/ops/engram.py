@@ -143,14 +143,12 @@ def _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices):
 
 def _fetch_published_fwd(axis_name, reserved_bytes, end, table, token, indices):
   out = _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices)
-  return out, (indices, jnp.zeros((table.shape[0], 0), table.dtype))
+  return out, _grad_residual(table, indices)
 
 
 def _fetch_published_bwd(axis_name, reserved_bytes, end, res, d_rows):
   del reserved_bytes, end
-  indices, like = res
-  return (ref.engram_table_grad(d_rows, indices, like.shape[0], like.dtype, axis_name=axis_name),
-          None, None)
+  return _shard_grad(axis_name, res, d_rows), None, None
 
 
 _fetch_published_vjp.defvjp(_fetch_published_fwd, _fetch_published_bwd)
@@ -242,16 +240,25 @@ def _fetch_vjp(axis_name, backend, reserved_bytes, table, indices):
                reserved_bytes=reserved_bytes)
 
 
-def _fetch_fwd(axis_name, backend, reserved_bytes, table, indices):
+def _grad_residual(table, indices):
   # A [V/R, 0] array carries the shard's shape and dtype as a residual.
+  return indices, jnp.zeros((table.shape[0], 0), table.dtype)
+
+
+def _shard_grad(axis_name, res, d_rows):
+  """The table shard's cotangent: the reference's for both backends."""
+  indices, like = res
+  return ref.engram_table_grad(d_rows, indices, like.shape[0], like.dtype, axis_name=axis_name)
+
+
+def _fetch_fwd(axis_name, backend, reserved_bytes, table, indices):
   out = _fetch_vjp(axis_name, backend, reserved_bytes, table, indices)
-  return out, (indices, jnp.zeros((table.shape[0], 0), table.dtype))
+  return out, _grad_residual(table, indices)
 
 
 def _fetch_bwd(axis_name, backend, reserved_bytes, res, d_rows):
-  del backend, reserved_bytes  # the gradient is the reference's for both backends
-  indices, like = res
-  return ref.engram_table_grad(d_rows, indices, like.shape[0], like.dtype, axis_name=axis_name), None
+  del backend, reserved_bytes
+  return _shard_grad(axis_name, res, d_rows), None
 
 
 _fetch_vjp.defvjp(_fetch_fwd, _fetch_bwd)

@@ -27,17 +27,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import _ffi, _native, fp8
-from jax_ep.ops._backend import _varying_axes
+from jax_ep.ops._backend import _varying_axes, check_backend
 
 Array = jax.Array
-
-_BACKENDS = (None, "auto", "reference", "cuda")
 
 
 def _check(x: Array, w: Array, group_sizes: Array, *, masked: bool, out_dtype,
            backend: Optional[str]) -> None:
-  if backend not in _BACKENDS:
-    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+  check_backend(backend)
   want = 3 if masked else 2
   if x.ndim != want:
     shape = "[G, S, H]" if masked else "[M, H]"
@@ -236,8 +233,7 @@ def dequantize_weights_fp8(wq: Array, ws: Array) -> Array:
 
 
 def _check_fp8(x, w, sizes, *, masked: bool, backend) -> None:
-  if backend not in _BACKENDS:
-    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+  check_backend(backend)
   if not (isinstance(x, tuple) and len(x) == 2 and isinstance(w, tuple) and len(w) == 2):
     raise ValueError("x and w must be (e4m3 values, f32 scales) pairs")
   (xq, xs), (wq, ws) = x, w

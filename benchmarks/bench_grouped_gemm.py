@@ -8,13 +8,15 @@ device. In one run, every implementation warmed up before it is timed:
   jax_ep             grouped_matmul (CUTLASS grouped kernels)
   jax_dense_matmul   x @ w of the same FLOPs with one weight: the rate to beat
   jax_padded_einsum  [128, 384, H] x [128, H, F] (capacity 1.5x the mean)
+  jax_batched_einsum [128, 256, H] x [128, H, F]: the same FLOPs and the same
+                     128 weights with no raggedness, XLA's batched GEMM; the
+                     rate the hardware gives this data movement
   jax_ragged_dot     lax.ragged_dot (XLA's own)
   jax_ep_masked      masked_grouped_matmul at the low-latency decode grid
   jax_ep_fp8         grouped_matmul_fp8 (up projection), beside the bf16 kernel
 
-and each kernel alone (kernel_fwd / kernel_dx / kernel_dw, and
-kernel_fwd_tile64: the forward swapped with 64-row tiles) on the routed sizes
-and on uniform 256-row groups, where the 128-row tiles waste nothing.
+and each kernel alone (kernel_fwd / kernel_dx / kernel_dw) on the routed
+sizes and on uniform 256-row groups, where the 128-row tiles waste nothing.
 
 for the forward (`fwd`) and forward + backward (`fwd_bwd`: out, dx, dw).
 TFLOP/s count the useful FLOPs (2 * 32768 * H * F per product, three products
@@ -68,9 +70,6 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
     calls = {
         "kernel_fwd": (lambda a, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
             a, b, s, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
-        "kernel_fwd_tile64": (lambda a, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
-            a, b, s, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16,
-            tile_rows=64), (x, w)),
         "kernel_dx": (lambda d, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
             d, b, s, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
         "kernel_dw": (lambda a, d, s=sizes: _ffi.grouped_gemm_cuda(
@@ -83,15 +82,6 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
       except Exception as e:  # noqa: BLE001 - an experimental kernel must not hide the others
         print(f"  {routing} {prod}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
         calls.pop(prod)
-    if "kernel_fwd_tile64" in calls:  # the swapped kernel must agree before it is timed
-      f0, a0 = calls["kernel_fwd"]
-      f1, _ = calls["kernel_fwd_tile64"]
-      r0 = jax.jit(f0)(*a0).astype(jnp.float32)
-      r1 = jax.jit(f1)(*a0).astype(jnp.float32)
-      err = float(jnp.linalg.norm(r1 - r0) / jnp.linalg.norm(r0))
-      print(f"  {routing} tile_rows=64 vs 128: relative difference {err:.2e}", flush=True)
-      if not err < 1e-2:
-        calls.pop("kernel_fwd_tile64")
     for prod, (f, a) in calls.items():
       t = bn.time_or_none(f"{routing} {prod}", f, a, quick, max_iters=10)
       rec("up", prod, "jax_ep", t, flops, dense_fwd_t, routing=routing, padded_rows=m)
@@ -221,7 +211,7 @@ def run(quick: bool) -> list[dict]:
     print(f"  {direction:4s} {mode:7s} {impl:18s} {tag:8s}{timing}{ratio}", flush=True)
 
   dense_up_fwd = None
-  dense_call = None
+  dense_call = batched_call = None
   for direction in ("up", "down"):
     k, n = _products(direction)
     k1, k2, k3, key = jax.random.split(key, 4)
@@ -233,12 +223,15 @@ def run(quick: bool) -> list[dict]:
     dyd = dy[:ROWS]
     xp = jax.random.normal(k1, (EXPERTS, CAPACITY, k), jnp.float32).astype(jnp.bfloat16)
     dyp = jax.random.normal(k3, (EXPERTS, CAPACITY, n), jnp.float32).astype(jnp.bfloat16)
+    xb = xd.reshape(EXPERTS, ROWS // EXPERTS, k)
+    dyb = dyd.reshape(EXPERTS, ROWS // EXPERTS, n)
     flops = 2.0 * ROWS * k * n
 
     fwd = {
         "jax_dense_matmul": (lambda a, b: a @ b, (xd, wd)),
         "jax_ep": (lambda a, b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda"), (x, w)),
         "jax_padded_einsum": (lambda a, b: jnp.einsum("gch,ghf->gcf", a, b), (xp, w)),
+        "jax_batched_einsum": (lambda a, b: jnp.einsum("gch,ghf->gcf", a, b), (xb, w)),
         "jax_ragged_dot": (lambda a, b: jax.lax.ragged_dot(a, b, sizes), (x, w)),
     }
 
@@ -253,6 +246,8 @@ def run(quick: bool) -> list[dict]:
         "jax_ep": (vjp_of(lambda a, b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda")),
                    (x, w, dy)),
         "jax_padded_einsum": (vjp_of(lambda a, b: jnp.einsum("gch,ghf->gcf", a, b)), (xp, w, dyp)),
+        "jax_batched_einsum": (vjp_of(lambda a, b: jnp.einsum("gch,ghf->gcf", a, b)),
+                               (xb, w, dyb)),
         "jax_ragged_dot": (vjp_of(lambda a, b: jax.lax.ragged_dot(a, b, sizes)), (x, w, dy)),
     }
     # ragged_dot's backward materialises [G, M, H] (56.8 GiB here) and runs
@@ -286,6 +281,8 @@ def run(quick: bool) -> list[dict]:
       for impl, (f, a) in table.items():
         slow = impl == "jax_ragged_dot"
         t = bn.time_or_none(f"{direction} {mode} {impl}", f, a, quick, max_iters=1 if slow else 10)
+        if impl == "jax_batched_einsum" and direction == "up" and mode == "fwd":
+          batched_call = (f, a, flops, t)
         if impl == "jax_dense_matmul":
           dense_t[mode] = t
           if direction == "up" and mode == "fwd":
@@ -300,6 +297,8 @@ def run(quick: bool) -> list[dict]:
   _fp8_records(quick, rec, sizes_np, key, dense_up_fwd)
   if dense_call is not None:
     profile["jax_dense_matmul"] = dense_call
+  if batched_call is not None:
+    profile["jax_batched_einsum"] = batched_call
   _profile_records(rec, profile, quick)
 
   # Decode: the masked form over the low-latency grid [E_l, R * max_tokens, H]

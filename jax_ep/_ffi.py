@@ -78,7 +78,7 @@ GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD, GG_FORWARD_FP8 = 0, 1, 2, 3
 
 def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
                       out_shape: tuple[int, ...], out_dtype, group_stride: int = 0,
-                      num_sms: int = 0, tile_rows: int = 128) -> Array:
+                      num_sms: int = 0) -> Array:
   """One grouped product on the tensor cores (ffi/kernels/grouped_gemm.h).
 
   kind GG_FORWARD: a = x [M, H], b = w [G, H, F] -> [M, F];
@@ -86,16 +86,15 @@ def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
   GG_WEIGHT_GRAD: a = x [M, H], b = dy [M, F] -> [G, H, F].
   With group_stride S > 0, a (and a row output) is [G, S, .] and group g
   is its first min(group_sizes[g], S) rows of slot g (the masked form).
-  group_sizes [G] int32 stays on the device. tile_rows 64 (GG_FORWARD, bf16
-  out only) runs the product swapped, with 64-row tiles.
+  group_sizes [G] int32 stays on the device.
   """
   ws = _grouped_gemm_workspace_bytes(kind, jnp.dtype(out_dtype) == jnp.float32,
-                                      group_sizes.shape[0], tile_rows=tile_rows)
+                                      group_sizes.shape[0])
   # Each batch element is an independent product -> sequential calls.
   out, _ = _call("jax_ep_grouped_gemm", (jax.ShapeDtypeStruct(out_shape, out_dtype),
                                          jax.ShapeDtypeStruct((ws,), jnp.uint8)))(
       a, b, group_sizes, kind=np.int32(kind), group_stride=np.int64(group_stride),
-      num_sms=np.int32(num_sms), tile_rows=np.int32(tile_rows))
+      num_sms=np.int32(num_sms))
   return out
 
 
@@ -125,7 +124,6 @@ _WORKSPACE_SMS = 1024
 
 @functools.lru_cache(maxsize=None)
 def _grouped_gemm_workspace_bytes(kind: int, out_f32: bool, num_groups: int, rows: int = 0,
-                                  hidden: int = 0, tile_rows: int = 128) -> int:
+                                  hidden: int = 0) -> int:
   return int(_native.module().grouped_gemm_workspace_bytes(kind, bool(out_f32), num_groups,
-                                                           _WORKSPACE_SMS, rows, hidden,
-                                                           tile_rows))
+                                                           _WORKSPACE_SMS, rows, hidden))

@@ -6,7 +6,9 @@
 #   JAX_EP_COMMIT=<sha> labels the benchmark records (the tree copied to the
 #   device machine has no .git; run it as JAX_EP_COMMIT=$(git rev-parse --short HEAD) ...)
 #   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files,
-#   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all).
+#   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all);
+#   GPU_CHECK_ARGS_<bench>="..." extra arguments for one of them, e.g.
+#   GPU_CHECK_ARGS_bench_moe="--sweep".
 #   On a one-GPU machine the suite runs at EP1 (JAX_EP_TEST_GPUS=1) and the
 #   two-GPU benchmarks report "skipped" (they exit 2).
 #   CUTLASS headers: the pinned nvidia-cutlass wheel, installed from .whl/
@@ -113,8 +115,10 @@ for b in benchmarks/bench_*.py; do
   name=$(basename "$b" .py)
   if [ -n "${GPU_CHECK_BENCH:-}" ] && [[ " $GPU_CHECK_BENCH " != *" $name "* ]]; then continue; fi
   bench_ran=$((bench_ran + 1))
-  echo "-- $name"
-  timeout 900 "$PY" "$b" --out "$BENCH" >"$LOGS/$name.log" 2>&1
+  extra_var="GPU_CHECK_ARGS_$name"
+  read -r -a extra <<<"${!extra_var:-}"
+  echo "-- $name ${extra[*]}"
+  timeout 900 "$PY" "$b" --out "$BENCH" "${extra[@]}" >"$LOGS/$name.log" 2>&1
   rc=$?
   if [ $rc -eq 2 ]; then
     bench_skipped="$bench_skipped $name"; tail -2 "$LOGS/$name.log"

@@ -50,17 +50,15 @@ def _rel(got, want):
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "empty_groups", "all_in_one", "odd"])
-@pytest.mark.parametrize("out_dtype,tile_rows", [(jnp.bfloat16, 128), (jnp.float32, 128),
-                                                 (jnp.bfloat16, 64)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("tail", [0, 200])
-def test_grouped_matmul_matches_oracle(pattern, out_dtype, tile_rows, tail):
+def test_grouped_matmul_matches_oracle(pattern, out_dtype, tail):
   rng = np.random.default_rng(stable_seed(pattern, tail))
   G = 8
   sizes = _sizes(pattern, G, rng)
   M = sum(sizes) + tail
   x, w = _operands(rng, M, G)
-  f = jax.jit(lambda a, b, s: jax_ep.grouped_matmul(a, b, s, out_dtype=out_dtype, backend="cuda",
-                                                    tile_rows=tile_rows))
+  f = jax.jit(lambda a, b, s: jax_ep.grouped_matmul(a, b, s, out_dtype=out_dtype, backend="cuda"))
   out = f(x, w, jnp.asarray(sizes, jnp.int32))
   assert out.dtype == out_dtype
   err = _rel(out, oracle.grouped_matmul(x, w, sizes))

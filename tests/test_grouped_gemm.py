@@ -113,10 +113,6 @@ def test_grouped_matmul_bad_arguments_name_them():
     jax_ep.grouped_matmul(x, w, s, backend="tpu")
   with pytest.raises(ValueError, match="groups"):
     jax_ep.masked_grouped_matmul(jnp.zeros((3, 4, 32), jnp.bfloat16), w, s)
-  with pytest.raises(ValueError, match="tile_rows"):
-    jax_ep.grouped_matmul(x, w, s, tile_rows=32)
-  with pytest.raises(ValueError, match="bf16 only"):
-    jax_ep.grouped_matmul(x, w, s, tile_rows=64, out_dtype=jnp.float32)
 
 
 @pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
@@ -189,7 +185,9 @@ def test_fp8_bad_arguments_name_them():
 
 @pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
 @pytest.mark.parametrize("masked", [False, True])
-def test_cuda_lowering_of_fp8_holds_the_fp8_call(masked):
+@pytest.mark.parametrize("backend", ["cuda", None])
+def test_cuda_lowering_of_fp8_holds_the_fp8_call(masked, backend):
+  """backend=None picks the kernel on CUDA too (validated on a GPU)."""
   G, H, F = 4, 256, 128
   lead = (G, 16) if masked else (64,)
   op = jax_ep.masked_grouped_matmul_fp8 if masked else jax_ep.grouped_matmul_fp8
@@ -199,23 +197,6 @@ def test_cuda_lowering_of_fp8_holds_the_fp8_call(masked):
            jax.ShapeDtypeStruct((G, H // 128, F // 128), jnp.float32)),
           jax.ShapeDtypeStruct((G,), jnp.int32))
   checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm_fp8")]
-  f = jax.jit(lambda x, w, s: op(x, w, s, backend="cuda"))
+  f = jax.jit(lambda x, w, s: op(x, w, s, backend=backend))
   text = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
   assert text.count("custom_call @jax_ep_grouped_gemm_fp8") == 1
-
-
-@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
-def test_cuda_lowering_passes_tile_rows_to_the_forward_only():
-  G, H, F = 4, 64, 32
-  args = (jax.ShapeDtypeStruct((64, H), jnp.bfloat16), jax.ShapeDtypeStruct((G, H, F), jnp.bfloat16),
-          jax.ShapeDtypeStruct((G,), jnp.int32))
-
-  def loss(x, w, s):
-    return jnp.sum(jax_ep.grouped_matmul(x, w, s, tile_rows=64).astype(jnp.float32) ** 2)
-
-  checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm")]
-  text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
-                           disabled_checks=checks)(*args).mlir_module()
-  calls = [l for l in text.splitlines() if "custom_call @jax_ep_grouped_gemm" in l]
-  assert len(calls) == 3
-  assert sorted(("tile_rows = 64" in c) for c in calls) == [False, False, True], calls

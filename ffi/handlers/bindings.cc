@@ -305,10 +305,8 @@ void RegisterCudaBindings(nb::module_& m) {
 
   m.def(
       "grouped_gemm_workspace_bytes",
-      [](int kind, bool out_f32, int num_groups, int sms, int64_t rows, int64_t hidden,
-         int tile_rows) {
+      [](int kind, bool out_f32, int num_groups, int sms, int64_t rows, int64_t hidden) {
         jax_ep::GroupedGemmArgs g;
-        g.tile_rows = tile_rows;
         g.kind = static_cast<jax_ep::GgKind>(kind);
         g.out_dtype = out_f32 ? jax_ep::GgOut::kF32 : jax_ep::GgOut::kBF16;
         g.num_groups = num_groups;
@@ -317,7 +315,7 @@ void RegisterCudaBindings(nb::module_& m) {
         return jax_ep::GroupedGemmScratchBytes(g, sms);
       },
       nb::arg("kind"), nb::arg("out_f32"), nb::arg("num_groups"), nb::arg("sms"),
-      nb::arg("rows") = 0, nb::arg("hidden") = 0, nb::arg("tile_rows") = 128,
+      nb::arg("rows") = 0, nb::arg("hidden") = 0,
       "Workspace bytes of one grouped GEMM call on up to `sms` SMs (per-group "
       "arrays + CUTLASS's workspace; for FP8 also x's regrouped scales, which "
       "need rows and hidden).");

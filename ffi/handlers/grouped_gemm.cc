@@ -67,7 +67,7 @@ ffi::Error Launch(const GroupedGemmArgs& g, cudaStream_t stream, int32_t device_
 // group axis (masked form: [G, S, .]); the handler sees its rows flat.
 ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
                               int32_t kind, int64_t group_stride, int32_t num_sms,
-                              int32_t tile_rows, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::AnyBuffer a, ffi::AnyBuffer b,
                               ffi::Buffer<ffi::S32> group_sizes,
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> workspace) {
@@ -82,11 +82,6 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
     return Invalid("output must be bf16 (or f32 for the forward product)");
   }
   g.out_dtype = od == ffi::DataType::F32 ? GgOut::kF32 : GgOut::kBF16;
-  if (tile_rows != 128 && !(tile_rows == 64 && g.kind == GgKind::kForward &&
-                            g.out_dtype == GgOut::kBF16)) {
-    return Invalid("tile_rows must be 128, or 64 for the forward product with bf16 output");
-  }
-  g.tile_rows = tile_rows;
   const auto ad = a.dimensions();
   const auto bd = b.dimensions();
   if (ad.size() < 2) return Invalid("lhs must have rank >= 2");
@@ -186,7 +181,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute, jax_ep::GroupedGemmExecut
                                   .Attr<int32_t>("kind")
                                   .Attr<int64_t>("group_stride")
                                   .Attr<int32_t>("num_sms")
-                                  .Attr<int32_t>("tile_rows")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

@@ -4,16 +4,8 @@
 
 namespace jax_ep {
 
-namespace {
-bool Swapped(const GroupedGemmArgs& a) {
-  return a.kind == GgKind::kForward && a.tile_rows == 64 && a.out_dtype == GgOut::kBF16;
-}
-}  // namespace
-
 size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
-  if (Swapped(args)) return GgScratchForwardSwapped(args, sms);
   switch (args.kind) {
-    case GgKind::kForwardSwapped: return GgScratchForwardSwapped(args, sms);
     case GgKind::kForward: return GgScratchForward(args, sms);
     case GgKind::kTransW: return GgScratchTransW(args, sms);
     case GgKind::kWeightGrad: return GgScratchWeightGrad(args, sms);
@@ -24,10 +16,7 @@ size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
 
 const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, int sms,
                               cudaStream_t stream) {
-  if (Swapped(args)) return GgRunForwardSwapped(args, scratch, sms, stream);
   switch (args.kind) {
-    case GgKind::kForwardSwapped:
-      return GgRunForwardSwapped(args, scratch, sms, stream);
     case GgKind::kForward: return GgRunForward(args, scratch, sms, stream);
     case GgKind::kTransW: return GgRunTransW(args, scratch, sms, stream);
     case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, sms, stream);

@@ -25,25 +25,14 @@ using ProblemMNK = Problem::UnderlyingProblemShape;
 using Bf16 = cutlass::bfloat16_t;
 
 // The schedule (docs/grouped_gemm.md has the measurements that chose it):
-// cooperative 128 x 256 x 64 tiles, clusters of two CTAs along N that share
-// each x tile through TMA multicast, tiles ordered along M so the M tiles of
-// one group's weight slice run together and meet in L2. Expert groups hold a
-// few hundred rows, rarely a tile multiple: 128-row tiles waste at most one
-// partial tile per group, and an N cluster adds no M rounding.
+// cooperative 128 x 256 x 64 tiles, no cluster, tiles ordered along M so the
+// M tiles of one group's weight slice run together and meet in L2. Expert
+// groups hold a few hundred rows, rarely a tile multiple: 128-row tiles
+// waste at most one partial tile per group. Clusters sharing tiles by
+// multicast measured equal or slower (benchmarks/RESULTS.md, session 6).
 struct Schedule {
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-
-// Swapped operands for the forward (tile_rows = 64): out^T[F, rows_g] =
-// w[g]^T · x_g^T, so the ragged dimension is N, where a 64-wide tile wastes
-// at most 63 rows per group instead of 127; D is written column-major, which
-// is out row-major. Two CTAs along M (F) share each x tile by multicast.
-struct SwappedSchedule {
-  using Tile = cute::Shape<cute::_128, cute::_64, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -92,7 +81,7 @@ struct Config : GemmOf<Sched, Bf16, LayoutA*, LayoutB*, ElementD, LayoutD> {
 // both operands K-major.
 struct Fp8Schedule {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -213,17 +202,7 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
     if (live) {
       arr.sizes[g] = m;
       arr.starts[g] = start;
-      if constexpr (kKind == GgKind::kForwardSwapped) {
-        // A' = w[g]^T (M = F, M-major), B' = x_g^T (N = rows, K-major),
-        // D' = out_g^T column-major: all three as stored, nothing moves.
-        arr.shapes[g] = ProblemMNK(static_cast<int>(F), m, static_cast<int>(H));
-        arr.a[g] = b + g * H * F;
-        arr.b[g] = a + start * H;
-        arr.d[g] = out + start * F;
-        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {int(F), int(H), 1});
-        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {m, int(H), 1});
-        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {int(F), m, 1});
-      } else if constexpr (kKind == GgKind::kForward) {
+      if constexpr (kKind == GgKind::kForward) {
         arr.shapes[g] = ProblemMNK(m, static_cast<int>(F), static_cast<int>(H));
         arr.a[g] = a + start * H;
         arr.b[g] = b + g * H * F;

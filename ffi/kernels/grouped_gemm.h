@@ -28,9 +28,6 @@ enum class GgKind : int {
   // operands, f32 scales per (row, 128 channels) of x and per 128 x 128
   // block of w, applied to the f32 accumulators (no dequantised copy).
   kForwardFp8 = 3,
-  // As kForward, computed as out^T = w[g]^T · x_g^T so that the ragged row
-  // dimension gets 64-wide tiles (GroupedGemmArgs::tile_rows = 64).
-  kForwardSwapped = 4,
 };
 
 enum class GgOut : int { kBF16 = 0, kF32 = 1 };
@@ -59,8 +56,6 @@ struct GroupedGemmArgs {
   //      min(sizes[g], group_stride)) of a (and of out for row outputs).
   int64_t group_stride = 0;
   int num_sms = 0;  // 0: all of the device's
-  // kForward, bf16 out: 128 (default) or 64 rows per tile (kForwardSwapped).
-  int tile_rows = 128;
 };
 
 // Bytes of device scratch one call needs: the per-group arrays (for FP8
@@ -83,11 +78,9 @@ size_t GgScratchForward(const GroupedGemmArgs&, int sms);
 size_t GgScratchTransW(const GroupedGemmArgs&, int sms);
 size_t GgScratchWeightGrad(const GroupedGemmArgs&, int sms);
 size_t GgScratchForwardFp8(const GroupedGemmArgs&, int sms);
-size_t GgScratchForwardSwapped(const GroupedGemmArgs&, int sms);
 const char* GgRunForward(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunTransW(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunWeightGrad(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunForwardFp8(const GroupedGemmArgs&, void*, int, cudaStream_t);
-const char* GgRunForwardSwapped(const GroupedGemmArgs&, void*, int, cudaStream_t);
 
 }  // namespace jax_ep

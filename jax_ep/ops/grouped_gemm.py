@@ -77,25 +77,24 @@ def _match_vma(out: Array, *ins: Array) -> Array:
 # --- the CUDA path: three kernels tied together by custom_vjp -------------
 
 
-def _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms, tile_rows):
+def _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms):
   rows_shape = x.shape[:-1]
   out = _ffi.grouped_gemm_cuda(x, w, sizes, kind=_ffi.GG_FORWARD,
                                out_shape=(*rows_shape, w.shape[2]), out_dtype=out_dtype,
-                               group_stride=stride, num_sms=num_sms, tile_rows=tile_rows)
+                               group_stride=stride, num_sms=num_sms)
   return _match_vma(out, x, w, sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _grouped_cuda(x, w, sizes, out_dtype, stride, num_sms, tile_rows):
-  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms, tile_rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_cuda(x, w, sizes, out_dtype, stride, num_sms):
+  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms)
 
 
-def _grouped_cuda_fwd(x, w, sizes, out_dtype, stride, num_sms, tile_rows):
-  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms, tile_rows), (x, w, sizes)
+def _grouped_cuda_fwd(x, w, sizes, out_dtype, stride, num_sms):
+  return _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms), (x, w, sizes)
 
 
-def _grouped_cuda_bwd(out_dtype, stride, num_sms, tile_rows, res, dy):
-  del tile_rows  # the backward kernels keep 128-row tiles
+def _grouped_cuda_bwd(out_dtype, stride, num_sms, res, dy):
   x, w, sizes = res
   # The backward kernels take bf16 operands: an f32 cotangent is rounded to
   # bf16 (the precision of the forward's operands).
@@ -127,15 +126,10 @@ def _masked_reference(x, w, counts, out_dtype):
   return jnp.where(valid, out, 0).astype(out_dtype)
 
 
-def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference, tile_rows=128):
+def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference):
   if out_dtype is None:
     out_dtype = x.dtype
   out_dtype = jnp.dtype(out_dtype)
-  if tile_rows not in (64, 128):
-    raise ValueError(f"tile_rows must be 64 or 128, got {tile_rows}")
-  if tile_rows == 64 and out_dtype != jnp.dtype(jnp.bfloat16):
-    raise ValueError("tile_rows=64 (the swapped forward kernel) writes bf16 only; "
-                     f"got out_dtype {out_dtype}")
   sizes = sizes.astype(jnp.int32)
   ref = functools.partial(reference, out_dtype=out_dtype)
   use_kernel = _native.cuda_built() and _kernel_ok(x, w, out_dtype)
@@ -148,15 +142,14 @@ def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference, tile_ro
       raise ValueError("backend='cuda': the grouped GEMM kernel takes bf16 x and w with H and F "
                        f"multiples of 8 and a bf16/f32 output; got x {x.dtype}, w {w.dtype} "
                        f"{list(w.shape)}, out {out_dtype}")
-  kernel = lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, num_sms or 0, tile_rows)
+  kernel = lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, num_sms or 0)
   if backend == "cuda":
     return kernel(x, w, sizes)
   return lax.platform_dependent(x, w, sizes, default=ref, cuda=kernel)
 
 
 def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
-                   backend: Optional[str] = None, num_sms: Optional[int] = None,
-                   tile_rows: int = 128) -> Array:
+                   backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
   """out[rows of group g] = x[rows of group g] @ w[g], groups contiguous.
 
   Args:
@@ -171,16 +164,12 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
       "reference" or "cuda".
     num_sms: SMs the kernel may use (default all), e.g. to leave room for
       communication running beside it.
-    tile_rows: rows per tile of the forward kernel: 128 (measured, the
-      default), or 64 (bf16 out: the product computed swapped, so a group
-      wastes at most 63 rows of a tile instead of 127; not yet measured,
-      docs/grouped_gemm.md). The gradients keep 128.
   Returns:
     [M, F] in out_dtype.
   """
   _check(x, w, group_sizes, masked=False, out_dtype=out_dtype, backend=backend)
   return _run(x, w, group_sizes, out_dtype=out_dtype, stride=0, backend=backend,
-              num_sms=num_sms, reference=_ragged_reference, tile_rows=tile_rows)
+              num_sms=num_sms, reference=_ragged_reference)
 
 
 def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,
@@ -203,9 +192,6 @@ def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,
 
 
 # --- FP8 ---------------------------------------------------------------------
-
-_FP8_KERNEL_VALIDATED = False
-
 
 def quantize_weights_fp8(w: Array) -> tuple[Array, Array]:
   """w [G, H, F] -> (wq [G, F, H] e4m3, ws [G, H/128, F/128] f32).
@@ -277,12 +263,10 @@ def _run_fp8(x, w, sizes, *, masked: bool, backend, num_sms):
     return _match_vma(out, xq, wq, sizes)
 
   args = (xq, xs, wq, ws, sizes)
-  # The FP8 kernel is not the default until a GPU run has checked it against
-  # the oracle (its first run read x's scales with the wrong group stride;
-  # the fix, RegroupScales, has not run on a GPU yet): backend="cuda" asks
-  # for it explicitly.
-  if backend == "reference" or (backend in (None, "auto") and not (
-      _FP8_KERNEL_VALIDATED and _native.cuda_built())):
+  # The kernel is the default on CUDA: its GPU tests (the oracle over the
+  # group patterns, contiguous and masked) passed in device run 1 of
+  # session 6 (benchmarks/RESULTS.md).
+  if backend == "reference" or (backend in (None, "auto") and not _native.cuda_built()):
     return ref(*args)
   if backend == "cuda":
     if not _native.cuda_built():
@@ -303,8 +287,8 @@ def grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], group_siz
   Returns:
     [M, F] bf16: f32 accumulation, each 128-wide K slice scaled by its two
     scales before it is added. Not differentiable (forward/inference only).
-    backend None runs the reference (dequantise + ragged_dot) until the
-    kernel has been validated on a GPU; backend="cuda" runs the kernel.
+    backend None runs the kernel on CUDA and the reference (dequantise +
+    ragged_dot) elsewhere; "reference" / "cuda" force one.
   """
   _check_fp8(x, w, group_sizes, masked=False, backend=backend)
   return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)

@@ -7,7 +7,9 @@
 #   device machine has no .git; run it as JAX_EP_COMMIT=$(git rev-parse --short HEAD) ...)
 #   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files,
 #   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all);
-#   GPU_CHECK_ARGS_<bench>="..." extra arguments for one of them, e.g.
+#   GPU_CHECK_PYTEST_ARGS replaces pytest's -x (e.g. "" to run every test
+#   past a failure); GPU_CHECK_ARGS_<bench>="..." extra arguments for one
+#   benchmark, e.g.
 #   GPU_CHECK_ARGS_bench_moe="--sweep".
 #   On a one-GPU machine the suite runs at EP1 (JAX_EP_TEST_GPUS=1) and the
 #   two-GPU benchmarks report "skipped" (they exit 2).
@@ -77,7 +79,7 @@ cat "$LOGS/versions.txt"
 note "GPU tests"
 if [ "$build" = ok ]; then
   # shellcheck disable=SC2086
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu -x -q ${GPU_CHECK_TESTS:-} \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${GPU_CHECK_TESTS:-} \
       --junitxml="$OUT/junit.xml" >"$LOGS/pytest.log" 2>&1 || status=1
   tail -25 "$LOGS/pytest.log"
   tests=$("$PY" - "$OUT/junit.xml" <<'PYEOF'

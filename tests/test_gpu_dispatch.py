@@ -257,7 +257,7 @@ def check_errors_then_next_call_works(comm):
     return out
 
   bad = idx.copy()
-  bad[1, 3, 0] = E + 5
+  bad[R - 1, 3, 0] = E + 5  # the last rank (the only one at EP1)
   with pytest.raises(Exception, match="(?i)expert"):
     run(bad)
   with pytest.raises(Exception, match="(?i)capacity"):

@@ -49,13 +49,20 @@ def test_layout_kernel_bitwise_equals_reference(comm, T, K, E):
 
 
 def test_layout_counts_a_token_once_per_rank_with_several_experts_there(comm):
-    R, E = comm.num_ranks, 8  # experts 0..3 on rank 0, 4..7 on rank 1
+    R, E = comm.num_ranks, 8
+    if R not in (1, 2):
+        pytest.skip("expected values written for EP1 and EP2")
     idx = np.array([[[0, 1, 2], [4, -1, 5], [-1, -1, -1], [3, 7, 3]]] * R, np.int32)
     per_rank, per_expert, in_rank, pos = (a[0] for a in _run_layout(comm, idx, E))
-    np.testing.assert_array_equal(per_rank, [2, 2])
     np.testing.assert_array_equal(per_expert, [1, 1, 1, 2, 1, 1, 0, 1])
-    np.testing.assert_array_equal(in_rank, [[1, 0], [0, 1], [0, 0], [1, 1]])
-    np.testing.assert_array_equal(pos, [[0, -1], [-1, 0], [-1, -1], [1, 1]])
+    if R == 2:  # experts 0..3 on rank 0, 4..7 on rank 1
+        np.testing.assert_array_equal(per_rank, [2, 2])
+        np.testing.assert_array_equal(in_rank, [[1, 0], [0, 1], [0, 0], [1, 1]])
+        np.testing.assert_array_equal(pos, [[0, -1], [-1, 0], [-1, -1], [1, 1]])
+    else:  # every expert on the one rank: each token with an id counts once
+        np.testing.assert_array_equal(per_rank, [3])
+        np.testing.assert_array_equal(in_rank, [[1], [1], [0], [1]])
+        np.testing.assert_array_equal(pos, [[0], [1], [-1], [2]])
 
 
 def test_public_op_cuda_backend_equals_reference_backend(comm):
@@ -92,7 +99,7 @@ def test_bad_expert_id_raises_naming_the_op_on_the_next_call(comm):
         jax.block_until_ready(f(h.put(comm.mesh, idx)))
     # Reported once: the communicator is usable again.
     outs = [np.asarray(a) for a in jax.block_until_ready(f(h.put(comm.mesh, idx)))]
-    np.testing.assert_array_equal(outs[0][1], h.layout_oracle(idx[1], E, R)[0])
+    np.testing.assert_array_equal(outs[0][R - 1], h.layout_oracle(idx[R - 1], E, R)[0])
     comm.check()
 
 
@@ -101,8 +108,8 @@ def test_bad_expert_id_is_visible_through_check(comm):
 
     R, E = comm.num_ranks, 8
     idx = np.full((R, 4, 2), -1, np.int32)
-    idx[1, 0, 0] = 99
+    idx[R - 1, 0, 0] = 99  # the last rank (the only one at EP1)
     _run_layout(comm, idx, E)
-    with pytest.raises(EpRuntimeError, match=r"get_dispatch_layout \(EP rank 1"):
+    with pytest.raises(EpRuntimeError, match=rf"get_dispatch_layout \(EP rank {R - 1}"):
         comm.check()
     comm.check()  # cleared

@@ -201,3 +201,28 @@ def test_published_tables_side_by_side_fetch_bitwise_many_times(comm):
     comm.check()
     for got, shards, idx in zip(outs, (s1, s2, s1), (i1, i2, i3)):
         np.testing.assert_array_equal(bits(np.asarray(got)), _oracle_bits(shards, idx))
+
+
+def test_engram_auto_runs_the_kernels_and_matches_the_oracle(comm):
+    """backend=None with a Communicator on GPU: publish and fetch lower to the
+    kernels (the jitted program holds their custom calls) and every fetch,
+    published and fused, is bitwise the oracle; the table gradient is the
+    reference's."""
+    R = comm.num_ranks
+    rng = np.random.default_rng(31001)
+    s1 = _table(rng, (R, 2048, D), BF16)
+    i1 = _indices(rng, R, R * 2048)
+
+    def fn(t, a):
+        p = jax_ep.engram_publish(t, axis_name=h.AXIS)
+        return jax_ep.engram_fetch(p, a, axis_name=h.AXIS), jax_ep.engram_fetch(t, a, axis_name=h.AXIS)
+
+    f = h.per_rank_jit(comm.mesh, fn)
+    args = [h.put(comm.mesh, v) for v in (s1, i1)]
+    text = f.lower(*args).as_text()
+    for target in ("jax_ep_engram_publish", "jax_ep_engram_fetch", "jax_ep_engram_publish_fetch"):
+        assert target in text, target
+    outs = jax.block_until_ready(f(*args))
+    comm.check()
+    for got in outs:
+        np.testing.assert_array_equal(bits(np.asarray(got)), _oracle_bits(s1, i1))

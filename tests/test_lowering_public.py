@@ -1,7 +1,8 @@
 """The public ops pick the CUDA kernels when a Communicator exists: lowered
 for the cuda platform (jax.export only lowers, so this runs on CPU), a step
 that calls get_dispatch_layout, dispatch and combine holds the jax_ep custom
-calls with the communicator's id; lowered for CPU it holds none."""
+calls with the communicator's id; lowered for CPU it holds none. Engram's
+publish / fetch likewise, when the window holds the table."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,12 +25,19 @@ TARGETS = ("jax_ep_dispatch_layout", "jax_ep_dispatch", "jax_ep_combine")
 class _FakeComm:
   comm_id: int = COMM_ID
   num_ranks: int = 2
+  num_bytes: int = 1 << 30
 
 
 @pytest.fixture
 def fake_comm(monkeypatch):
   """As if jax_ep were built with CUDA and a Communicator existed for 'ep'."""
   monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _FakeComm())
+
+
+@pytest.fixture
+def small_fake_comm(monkeypatch):
+  """As fake_comm, with a 1 MiB window."""
+  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _FakeComm(num_bytes=1 << 20))
 
 
 def _step(E, layout):
@@ -73,3 +81,67 @@ def test_public_ops_lower_to_the_reference_for_cpu(fake_comm, layout):
   text = _lower("cpu", layout)
   for target in TARGETS:
     assert target + '"' not in text and "@" + target + "(" not in text, target
+
+
+ENGRAM_TARGETS = ("jax_ep_engram_publish_fetch", "jax_ep_engram_publish", "jax_ep_engram_fetch")
+
+
+def _engram_targets(platform: str, dim: int = 128, rows: int = 4096, dtype=jnp.bfloat16) -> set:
+  """Engram custom calls in a step that publishes a table and fetches from it
+  twice (published, then the fused form), lowered for `platform`."""
+  R, T, e = 2, 8, 3
+  devs = jax.devices()[:R]
+  if len(devs) < R:
+    pytest.skip("needs 2 devices")
+  mesh = Mesh(np.array(devs), ("ep",))
+
+  def per_rank(table, idx):
+    pub = jax_ep.engram_publish(table)
+    return jax_ep.engram_fetch(pub, idx), jax_ep.engram_fetch(table, idx)
+
+  f = jax_ep.shard_map(per_rank, mesh)
+  args = (jax.ShapeDtypeStruct((R * rows, dim), dtype), jax.ShapeDtypeStruct((R * T, e), jnp.int32))
+  if platform == "cpu":
+    text = jax.jit(f).lower(*args).as_text()
+  else:
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ENGRAM_TARGETS]
+    text = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(
+        *args).mlir_module()
+  return {t for t in ENGRAM_TARGETS if t + '"' in text or "@" + t + "(" in text}
+
+
+@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
+def test_engram_auto_picks_the_kernels_for_cuda(fake_comm):
+  assert _engram_targets("cuda") == set(ENGRAM_TARGETS)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="lowers for this machine's platform")
+def test_engram_auto_lowers_to_the_reference_for_cpu(fake_comm):
+  assert _engram_targets("cpu") == set()
+
+
+@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
+def test_engram_auto_falls_back_where_the_kernels_cannot_run(small_fake_comm):
+  # (Decided at trace time; the reference's error callback does not export
+  # for cuda from this CPU machine, so the choice itself is checked.)
+  from jax_ep.ops import engram as eg
+  table = jax.ShapeDtypeStruct((1024, 128), jnp.bfloat16)  # 256 KiB: fits in 1 MiB
+  assert eg._choose(None, "ep", table, 0) == "auto"
+  big = jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16)    # 1 MiB: no room above the header
+  assert eg._choose(None, "ep", big, 0) == "reference"
+  assert eg._choose("cuda", "ep", big, 0) == "cuda"
+  assert eg._choose(None, "ep", table, 800 << 10) == "reference"  # reserved below it
+  assert eg._choose(None, "ep", table, 0, end=800 << 10) == "reference"  # tables above it
+  odd = jax.ShapeDtypeStruct((16, 4), jnp.bfloat16)         # 8-byte rows
+  assert eg._choose(None, "ep", odd, 0) == "reference"
+  assert eg._choose("reference", "ep", table, 0) == "reference"
+
+
+@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
+def test_engram_cuda_still_raises_where_auto_falls_back(small_fake_comm):
+  R = 2
+  mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+  f = jax_ep.shard_map(lambda t, i: jax_ep.engram_fetch(t, i, backend="cuda"), mesh)
+  with pytest.raises(ValueError, match="16 bytes"):
+    jax.jit(f).lower(jax.ShapeDtypeStruct((R * 16, 4), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((R * 8, 3), jnp.int32))

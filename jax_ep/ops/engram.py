@@ -8,13 +8,16 @@ Two ways to call it:
 - `engram_fetch(table_shard, indices)`: publish and fetch in one call (what
   the op did before publish existed).
 
-Backends: the reference (pure JAX request/response all_to_all) unless the
-caller passes backend="cuda" explicitly; backend=None / "auto" / "reference"
-all run the reference. The CUDA path (publish the local shard into the
-symmetric window, then one-sided NVLink loads from the owners) passed its GPU
-tests in the fused form; the separate publish / fetch targets with stacked
-tables have not run on a GPU yet, so it is never picked automatically. The
-gradient is the reference's `engram_table_grad` for both backends.
+Backends: backend=None / "auto" runs the CUDA path (publish the local shard
+into the symmetric window, then one-sided NVLink loads from the owners) on
+the CUDA platform when jax_ep was built with CUDA, a Communicator exists for
+the axis, the table's rows suit the kernel and the window holds it (with
+`reserved_bytes` below it and the tables `above`); otherwise the reference
+(pure JAX request/response all_to_all). "reference" and "cuda" force one;
+"cuda" raises where auto would fall back. The CUDA path's GPU tests (fused
+and published, tables side by side, FP8, bad indices) passed at EP1 and EP2
+(benchmarks/RESULTS.md). The gradient is the reference's `engram_table_grad`
+for both backends.
 """
 from __future__ import annotations
 
@@ -51,19 +54,53 @@ def _check(table, indices, scales, axis_name, backend, reserved_bytes):
     _ffi_engram._check_row_bytes(table.shape[1], table.dtype)
 
 
-def _rows(table, indices, *, axis_name: str, backend: Optional[str], reserved_bytes: int):
-  """Rows [T, e, D] of the global table by the chosen backend (no scales)."""
-  if backend != "cuda":
-    return ref.engram_fetch_wait(ref.engram_fetch_start(table, indices, axis_name=axis_name))
+def _choose(backend: Optional[str], axis_name: str, table, reserved_bytes: int,
+            end: int = 0) -> str:
+  """"cuda" (forced), "auto" (kernels on the CUDA platform, the reference
+  elsewhere) or "reference". Auto picks the kernels only where they can run:
+  a Communicator for the axis, a row layout the kernel takes, and a window
+  that holds the table above `reserved_bytes` and below `end`."""
+  if backend == "cuda":
+    return "cuda"
+  if backend == "reference":
+    return "reference"
+  comm = _backend.cuda_comm(axis_name)
+  if comm is None:
+    return "reference"
+  from jax_ep import _ffi_engram
+  try:
+    _ffi_engram._check_table_dtype(table.dtype)
+    _ffi_engram._check_row_bytes(table.shape[1], table.dtype)
+  except ValueError:
+    return "reference"
+  need = _ffi_engram.window_bytes_needed(rows_per_rank=table.shape[0], dim=table.shape[1],
+                                         dtype=table.dtype, reserved_bytes=reserved_bytes,
+                                         table_end_offset=end)
+  return "auto" if need <= comm.num_bytes else "reference"
 
-  def reference(table, indices):  # unused with backend="cuda"; run() wants one
-    return ref.engram_fetch_wait(ref.engram_fetch_start(table, indices, axis_name=axis_name))
+
+def _run_kind(kind: str) -> Optional[str]:
+  """The _backend.run backend for a _choose result."""
+  return {"cuda": "cuda", "auto": None, "reference": "reference"}[kind]
+
+
+def _reference_rows(table, indices, axis_name):
+  return ref.engram_fetch_wait(ref.engram_fetch_start(table, indices, axis_name=axis_name))
+
+
+def _rows(table, indices, *, axis_name: str, backend: str, reserved_bytes: int):
+  """Rows [T, e, D] of the global table (no scales); backend is a _choose
+  result."""
+  if backend == "reference":
+    return _reference_rows(table, indices, axis_name)
 
   def cuda(comm):
     from jax_ep import _ffi_engram
     return _ffi_engram.fetch_factory(reserved_bytes=reserved_bytes)(comm)
 
-  return _backend.run("cuda", axis_name, reference, cuda, table, indices.astype(jnp.int32))
+  return _backend.run(_run_kind(backend), axis_name,
+                      lambda t, i: _reference_rows(t, i, axis_name), cuda, table,
+                      indices.astype(jnp.int32))
 
 
 _ALIGN = 256
@@ -78,9 +115,10 @@ def engram_publish(table: jax.Array, scales: Optional[jax.Array] = None, *,
   Args:
     table: the local shard (bf16/f16/f32, or float8_e4m3fn with `scales`).
     scales: FP8 tables: per-row scales [V] f32, replicated on every rank.
-    backend: None / "reference" keep the shard where it is (the reference
-      fetch exchanges rows by all_to_all); "cuda" copies it into the
-      Communicator's symmetric window once, for NVLink-load fetches.
+    backend: None / "auto": the kernels where they can run (module
+      docstring), else the reference; "reference" keeps the shard where it
+      is (the reference fetch exchanges rows by all_to_all); "cuda" copies it
+      into the Communicator's symmetric window once, for NVLink-load fetches.
     reserved_bytes: "cuda": window bytes from the base that dispatch/combine
       of the same program need; the tables sit above them, at the end.
     above: another table published into the same window; this one goes just
@@ -100,12 +138,13 @@ def engram_publish(table: jax.Array, scales: Optional[jax.Array] = None, *,
                                    dtype=above.table.dtype)
     # A table's start is rounded down to 256 bytes: leave that slack too.
     end = above.table_end_offset + -(-size // _ALIGN) * _ALIGN + _ALIGN
-  if backend != "cuda":
+  kind = _choose(backend, axis_name, table, int(reserved_bytes), end)
+  if kind == "reference":
     return PublishedTable(table=table, scales=scales, token=None, axis_name=axis_name,
                           backend="reference", reserved_bytes=int(reserved_bytes),
                           table_end_offset=end)
 
-  def reference(t):  # unused with backend="cuda"; run() wants one
+  def reference(t):  # off CUDA under auto: the reference fetch reads `table`
     return jnp.ones((1,), jnp.int32)
 
   def cuda(comm):
@@ -114,23 +153,24 @@ def engram_publish(table: jax.Array, scales: Optional[jax.Array] = None, *,
                                               reserved_bytes=int(reserved_bytes),
                                               table_end_offset=end)
 
-  token = _backend.run("cuda", axis_name, reference, cuda, table)
+  token = _backend.run(_run_kind(kind), axis_name, reference, cuda, table)
   return PublishedTable(table=table, scales=scales, token=token, axis_name=axis_name,
-                        backend="cuda", reserved_bytes=int(reserved_bytes), table_end_offset=end)
+                        backend=kind, reserved_bytes=int(reserved_bytes), table_end_offset=end)
 
 
 def _published_rows(p: PublishedTable, indices: jax.Array) -> jax.Array:
   """Rows [T, e, D] of a published table (no scales), differentiable in p.table."""
-  if p.backend != "cuda":
+  if p.backend == "reference":
     return _fetch_vjp(p.axis_name, "reference", p.reserved_bytes, p.table, indices)
-  return _fetch_published_vjp(p.axis_name, p.reserved_bytes, p.table_end_offset, p.table,
-                              p.token, indices)
+  return _fetch_published_vjp(p.axis_name, p.reserved_bytes, p.table_end_offset, p.backend,
+                              p.table, p.token, indices)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices):
-  def reference(token, indices):  # unused with backend="cuda"; run() wants one
-    raise AssertionError("unreachable")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fetch_published_vjp(axis_name, reserved_bytes, end, kind, table, token, indices):
+  def reference(token, indices):  # off CUDA under auto: rows straight from the shard
+    del token
+    return _reference_rows(table, indices, axis_name)
 
   def cuda(comm):
     from jax_ep import _ffi_engram
@@ -138,16 +178,17 @@ def _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices):
         token, indices, rows_per_rank=table.shape[0], dim=table.shape[1], dtype=table.dtype,
         comm_id=comm.comm_id, reserved_bytes=reserved_bytes, table_end_offset=end)
 
-  return _backend.run("cuda", axis_name, reference, cuda, token, indices.astype(jnp.int32))
+  return _backend.run(_run_kind(kind), axis_name, reference, cuda, token,
+                      indices.astype(jnp.int32))
 
 
-def _fetch_published_fwd(axis_name, reserved_bytes, end, table, token, indices):
-  out = _fetch_published_vjp(axis_name, reserved_bytes, end, table, token, indices)
+def _fetch_published_fwd(axis_name, reserved_bytes, end, kind, table, token, indices):
+  out = _fetch_published_vjp(axis_name, reserved_bytes, end, kind, table, token, indices)
   return out, _grad_residual(table, indices)
 
 
-def _fetch_published_bwd(axis_name, reserved_bytes, end, res, d_rows):
-  del reserved_bytes, end
+def _fetch_published_bwd(axis_name, reserved_bytes, end, kind, res, d_rows):
+  del reserved_bytes, end, kind
   return _shard_grad(axis_name, res, d_rows), None, None
 
 
@@ -157,7 +198,7 @@ _fetch_published_vjp.defvjp(_fetch_published_fwd, _fetch_published_bwd)
 def _check_published(p: PublishedTable, indices: jax.Array) -> None:
   if indices.ndim != 2 or not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must be int32 [T, e], got {indices.dtype}{list(indices.shape)}")
-  if p.backend == "cuda" and p.token is None:
+  if p.backend != "reference" and p.token is None:
     raise ValueError("this PublishedTable has no publish token; make it with engram_publish")
 
 
@@ -168,28 +209,35 @@ def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str =
   depend only on token ids, so this can be issued early. Forward-only: use
   `engram_fetch` when the table needs a gradient.
 
-  backend: None / "auto" / "reference" -> the pure-JAX reference (the default
-    everywhere, GPUs included); "cuda" -> publish this shard into the
-    Communicator's window and fetch with NVLink loads (not yet validated on
-    a GPU; needs a Communicator for `axis_name`).
-  reserved_bytes: backend="cuda" only: window bytes (from its base) that
-    dispatch/combine in the same program need; the table is placed above
-    them, at the end of the window, and a window too small for both raises.
+  backend: None / "auto" -> the kernels where they can run (module
+    docstring: publish this shard into the Communicator's window and fetch
+    with NVLink loads), else the pure-JAX reference; "reference" / "cuda"
+    force one ("cuda" needs a Communicator for `axis_name`).
+  reserved_bytes: window bytes (from its base) that dispatch/combine in the
+    same program need; the table is placed above them, at the end of the
+    window. With backend="cuda" a window too small for both raises; auto
+    then runs the reference.
   """
   if isinstance(table, PublishedTable):
     p = table
     _check_published(p, indices)
-    if p.backend != "cuda":
+    if p.backend == "reference":
       return ref.engram_fetch_start(p.table, indices, axis_name=p.axis_name, scales=p.scales)
-    return Pending((_published_rows(p, indices), indices, p.scales), op="engram_fetch",
-                   axis_name=p.axis_name, rows_per_rank=p.table.shape[0], backend="cuda")
+    return _rows_pending(_published_rows(p, indices), indices, p.scales, p.axis_name,
+                         p.table.shape[0])
   _check(table, indices, scales, axis_name, backend, reserved_bytes)
-  if backend != "cuda":
+  kind = _choose(backend, axis_name, table, int(reserved_bytes))
+  if kind == "reference":
     return ref.engram_fetch_start(table, indices, axis_name=axis_name, scales=scales)
-  rows = _rows(table, indices, axis_name=axis_name, backend=backend,
-               reserved_bytes=reserved_bytes)
+  rows = _rows(table, indices, axis_name=axis_name, backend=kind, reserved_bytes=reserved_bytes)
+  return _rows_pending(rows, indices, scales, axis_name, table.shape[0])
+
+
+def _rows_pending(rows, indices, scales, axis_name, rows_per_rank) -> Pending:
+  # backend="cuda" marks the kernels' form of a pending fetch: the rows are
+  # already final (under auto they come from either backend; see _rows).
   return Pending((rows, indices, scales), op="engram_fetch", axis_name=axis_name,
-                 rows_per_rank=table.shape[0], backend="cuda")
+                 rows_per_rank=rows_per_rank, backend="cuda")
 
 
 def engram_fetch_wait(pending: Any) -> Any:
@@ -213,8 +261,7 @@ def engram_fetch(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",
   Differentiable in `table` (bf16/f16/f32): the row cotangents are summed into
   the owner's shard in float32 (the reference's gradient, for either backend).
 
-  backend / reserved_bytes: as for `engram_fetch_start`; the reference unless
-  backend="cuda" is passed explicitly.
+  backend / reserved_bytes: as for `engram_fetch_start`.
 
   `table` may instead be a PublishedTable from engram_publish: then the rows
   come from that publication (its backend, scales and placement; the other
@@ -230,8 +277,8 @@ def engram_fetch(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",
     return engram_fetch_wait(engram_fetch_start(table, indices, axis_name=axis_name,
                                                 scales=scales, backend=backend,
                                                 reserved_bytes=reserved_bytes))
-  backend = "cuda" if backend == "cuda" else "reference"
-  return _fetch_vjp(axis_name, backend, int(reserved_bytes), table, indices)
+  kind = _choose(backend, axis_name, table, int(reserved_bytes))
+  return _fetch_vjp(axis_name, kind, int(reserved_bytes), table, indices)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

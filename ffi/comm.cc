@@ -620,6 +620,11 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
       msg += "index out of range: a row index outside [-1, V) in the Engram indices (those "
              "rows were returned as zeros)";
       break;
+    case Cause::kStalePublication:
+      msg += "stale publication: the PublishedTable fetched from was superseded by a later "
+             "engram_publish (or fused engram_fetch) into the same window area, or its publish "
+             "failed; those rows were returned as zeros. Fetch from the newest publication";
+      break;
     case Cause::kWindowTooSmall:
       msg += "symmetric window too small for this call; create the Communicator with a larger "
              "num_bytes (see get_buffer_size_hint)";

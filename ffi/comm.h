@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "engram_versions.h"
 #include "kernels/ce_push.h"
 #include "kernels/common.cuh"
 
@@ -113,6 +114,8 @@ struct DeviceResources {
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
   CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
+  // Engram publications live in this device's window (engram_versions.h).
+  std::shared_ptr<EngramVersions> engram_versions = std::make_shared<EngramVersions>();
 
   EpPeers peers() const;
 };

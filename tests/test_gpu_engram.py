@@ -226,3 +226,30 @@ def test_engram_auto_runs_the_kernels_and_matches_the_oracle(comm):
     comm.check()
     for got in outs:
         np.testing.assert_array_equal(bits(np.asarray(got)), _oracle_bits(s1, i1))
+
+
+def test_fetch_from_a_superseded_publication_reports_stale(comm):
+    """Publish t1, then publish t2 into the same area (separate programs, so
+    the order is certain), then fetch from t1's publication: the fetch
+    returns zeros and the communicator reports a stale publication; a fetch
+    from t2's publication is then bitwise right."""
+    from jax_ep._checks import EpRuntimeError
+
+    R = comm.num_ranks
+    rng = np.random.default_rng(31002)
+    t1 = _table(rng, (R, 1024, D), BF16)
+    t2 = _table(rng, (R, 1024, D), BF16)
+    idx = _indices(rng, R, R * 1024)
+    publish = h.per_rank_jit(comm.mesh, lambda t: jax_ep.engram_publish(
+        t, axis_name=h.AXIS, backend="cuda"))
+    fetch = h.per_rank_jit(comm.mesh, lambda p, i: jax_ep.engram_fetch(p, i))
+    p1 = jax.block_until_ready(publish(h.put(comm.mesh, t1)))
+    p2 = jax.block_until_ready(publish(h.put(comm.mesh, t2)))
+    comm.check()
+    got = np.asarray(jax.block_until_ready(fetch(p1, h.put(comm.mesh, idx))))
+    assert not np.any(bits(got)), "a stale fetch must not return the newer table's rows"
+    with pytest.raises(EpRuntimeError, match="stale publication"):
+        comm.check()
+    got = np.asarray(jax.block_until_ready(fetch(p2, h.put(comm.mesh, idx))))
+    comm.check()
+    np.testing.assert_array_equal(bits(got), _oracle_bits(t2, idx))

@@ -8,7 +8,10 @@
 //          reserved_bytes i64 (window bytes from the base that
 //          the normal ops of the same program need; the table goes above)
 //   args:  table [V/R, D] bf16/f16/f32/f8e4m3fn (this rank's shard)
-//   rets:  token s32 [1] (1 = published; feed it to fetch so XLA orders them)
+//   rets:  token s32 [1] (this area's publish version, >= 1, or 0 if the
+//          publish failed; feed it to fetch so XLA orders them, and the
+//          fetch checks it is still the area's current version:
+//          engram_versions.h)
 // jax_ep_engram_fetch
 //   attrs: comm_id i64, rows_per_rank i64 (V/R), reserved_bytes i64 and
 //          table_end_offset i64 (as for the publish), num_sms i32 (0 = model)
@@ -25,6 +28,9 @@
 // as publish A, publish B, fetch A. One custom call per lookup cannot be
 // split that way. The two-target form is for "publish once, fetch many";
 // its caller must make any later publish depend on the fetches' outputs.
+// If it does not, a fetch that runs after a later publish into its area
+// reports a stale publication (zeros, Cause::kStalePublication) instead of
+// silently reading the newer table.
 #include <cstdint>
 #include <string>
 
@@ -155,6 +161,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
     return err;
   }
   a.token = token->typed_data();
+  a.version = lease.dev->engram_versions->Publish(a.table_off, a.table_bytes);
   if (cudaError_t err = LaunchEngramPublish(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_publish launch");
   }
@@ -177,6 +184,9 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
       err.failure()) {
     return err;
   }
+  a.token = token.typed_data();
+  a.version = lease.dev->engram_versions->Current(
+      a.table_off, static_cast<size_t>(a.rows_per_rank) * a.row_bytes);
   if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
@@ -212,6 +222,7 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
       err.failure()) {
     return err;
   }
+  pa.version = lease.dev->engram_versions->Publish(pa.table_off, pa.table_bytes);
   const EpPeers peers = lease.dev->peers();
   if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch (publish) launch");

@@ -20,13 +20,14 @@ constexpr int kFetchThreads = 512;
 constexpr int kFetchUnroll = 4;
 constexpr int kFetchMaxBlocks = 64;
 
-__global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p, int32_t* token) {
+__global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p, int32_t* token,
+                                    int32_t version) {
   if (threadIdx.x != 0) return;
   // An error already in the status word (e.g. the first barrier of this
   // publish timed out) means the copy was skipped: still take part in the
   // barrier so the peers are not left waiting, but mark the token.
   const bool ok = rank_barrier(p, Op::kEngramFetch);
-  if (token != nullptr) *token = (ok && !has_error(p)) ? 1 : 0;
+  if (token != nullptr) *token = (ok && !has_error(p)) ? version : 0;
 }
 
 // Local copy of the shard into this rank's window (16-byte vectors when both
@@ -69,6 +70,11 @@ __global__ void __launch_bounds__(kFetchThreads)
   const uint32_t total = static_cast<uint32_t>(a.num_rows * (kVec ? vpr : a.row_bytes));
   const uint64_t V = static_cast<uint64_t>(a.rows_per_rank) * p.nranks;
   const uint32_t stride = gridDim.x * blockDim.x;
+  // A stale publication reads nothing: every index counts as -1 (zeros).
+  const bool stale = a.token != nullptr && __ldg(a.token) != a.version;
+  if (stale && blockIdx.x == 0 && threadIdx.x == 0) {
+    report_error(p, Op::kEngramFetch, Cause::kStalePublication);
+  }
   bool bad = false;
   if (kVec) {
     uint4* out = static_cast<uint4*>(a.out);
@@ -82,7 +88,7 @@ __global__ void __launch_bounds__(kFetchThreads)
         if (q < total) {
           const uint32_t row = q / vpr;
           const uint32_t chunk = q - row * vpr;
-          const int32_t idx = __ldg(a.indices + row);
+          const int32_t idx = stale ? -1 : __ldg(a.indices + row);
           if (idx >= 0 && static_cast<uint64_t>(idx) < V) {
             const int owner = static_cast<int>(static_cast<uint64_t>(idx) / a.rows_per_rank);
             const uint64_t local = static_cast<uint64_t>(idx) - static_cast<uint64_t>(owner) * a.rows_per_rank;
@@ -107,7 +113,7 @@ __global__ void __launch_bounds__(kFetchThreads)
     for (uint32_t q = blockIdx.x * blockDim.x + threadIdx.x; q < total; q += stride) {
       const uint32_t row = q / static_cast<uint32_t>(a.row_bytes);
       const uint32_t byte = q - row * static_cast<uint32_t>(a.row_bytes);
-      const int32_t idx = __ldg(a.indices + row);
+      const int32_t idx = stale ? -1 : __ldg(a.indices + row);
       char b = 0;
       if (idx >= 0 && static_cast<uint64_t>(idx) < V) {
         const int owner = static_cast<int>(static_cast<uint64_t>(idx) / a.rows_per_rank);
@@ -125,7 +131,7 @@ __global__ void __launch_bounds__(kFetchThreads)
 }  // namespace
 
 cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream) {
-  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, nullptr);
+  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, nullptr, 0);
   if (a.table_bytes > 0) {
     // A local HBM copy: enough CTAs to cover the SMs' load queues, no more.
     const size_t nv = (a.table_bytes + 15) / 16;
@@ -133,7 +139,7 @@ cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cu
         264, std::max<size_t>(1, (nv + kPublishThreads - 1) / kPublishThreads)));
     EngramPublishCopyKernel<<<blocks, kPublishThreads, 0, stream>>>(a, p);
   }
-  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a.token);
+  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a.token, a.version);
   return cudaGetLastError();
 }
 

@@ -16,7 +16,8 @@ struct EngramPublishArgs {
   const void* table = nullptr;  // [rows_per_rank, D] local shard, row_bytes each
   size_t table_bytes = 0;
   size_t table_off = 0;         // EngramWindow::table_off
-  int32_t* token = nullptr;     // [1]: 1 when the publish completed, 0 otherwise
+  int32_t* token = nullptr;     // [1]: `version` when the publish completed, 0 otherwise
+  int32_t version = 1;          // EngramVersions::Publish of this area
 };
 
 struct EngramFetchArgs {
@@ -27,6 +28,11 @@ struct EngramFetchArgs {
   size_t table_off = 0;
   void* out = nullptr;               // [n, row_bytes]
   int num_sms = 0;                   // CTAs; 0 = the model's choice
+  // The publish token this fetch reads and the version current at launch
+  // (EngramVersions::Current); null token: no check (publish + fetch in one
+  // call).
+  const int32_t* token = nullptr;
+  int32_t version = 0;
 };
 
 // barrier (nobody still reads the old table) -> copy -> barrier (every shard
@@ -36,7 +42,8 @@ cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cu
 
 // No barrier: the publish that produced the token already ordered everything.
 // An index outside [-1, V) gives a zero row and Op::kEngramFetch /
-// Cause::kBadIndex in the status word.
+// Cause::kBadIndex in the status word; a token other than `version` gives
+// zero rows and Cause::kStalePublication.
 cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream);
 
 }  // namespace jax_ep

@@ -158,14 +158,15 @@ def test_engram_fused_publish_fetch_lowers_to_one_custom_call():
 
 
 @pytest.mark.parametrize("backend", [None, "auto", "reference", "cuda"])
-def test_public_engram_uses_kernels_only_with_explicit_cuda_backend(monkeypatch, backend):
+def test_public_engram_uses_kernels_unless_told_reference(monkeypatch, backend):
   import jax_ep
   from jax_ep.ops import _backend
 
   class _Comm:
     comm_id = COMM_ID
+    num_bytes = 1 << 30
 
-  # A Communicator "exists": auto would pick the kernels for other ops.
+  # A Communicator "exists" with room for the table: auto picks the kernels.
   monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
   # The reference's index check is a host callback, which cannot be lowered
   # for CUDA on a machine without one; it is not what this test looks at.
@@ -182,7 +183,7 @@ def test_public_engram_uses_kernels_only_with_explicit_cuda_backend(monkeypatch,
   text = _export_text(f, jax.ShapeDtypeStruct((R * VL, D), jnp.bfloat16),
                       jax.ShapeDtypeStruct((R, T * E), jnp.int32))
   n = len(_custom_calls(text, "jax_ep_engram_publish_fetch"))
-  assert n == (1 if backend == "cuda" else 0), text
+  assert n == (0 if backend == "reference" else 1), text
 
 
 @pytest.mark.parametrize("dim,match", [

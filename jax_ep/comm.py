@@ -51,9 +51,12 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
 
   Normal mode: exactly what the dispatch/combine kernels lay out
   (`_ffi_dispatch.window_bytes_needed`, the mirror of
-  ffi/kernels/window_layout.h). Low-latency mode (no kernels yet): an estimate,
-  per local expert a receive area for R * tokens_per_rank rows plus the
-  combine area for them. Rounded up to NCCL's 2 MiB granule; includes the
+  ffi/kernels/window_layout.h). Low-latency mode (tokens_per_rank =
+  max_tokens): the larger of what the dedicated kernels lay out
+  (`_ffi_low_latency.window_bytes_needed`, the mirror of
+  ffi/kernels/low_latency.cuh: two buffers of [E_l, R, max_tokens] rows and
+  the combine's [max_tokens, K] rows) and what the composition over the
+  normal kernels needs. Rounded up to NCCL's 2 MiB granule; includes the
   4 KiB runtime header.
 
   engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
@@ -76,9 +79,12 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
                                 num_experts=e, dtype_bytes=dtype_bytes, low_latency=low_latency)
     return _round_up(base + tables, _GRANULE)
   if low_latency:
+    from jax_ep._ffi_low_latency import window_bytes_needed as ll_kernel_bytes
     row = h * dtype_bytes + k * 8 + (h // 128) * 4 + 64
     e_l = max(1, e // r)
-    return _round_up(_HEADER_BYTES + e_l * r * t * (row + h * out_bytes), _GRANULE)
+    via_normal = _HEADER_BYTES + e_l * r * t * (row + h * out_bytes)
+    kernels = ll_kernel_bytes(num_ranks=r, max_tokens=t, hidden=h, topk=k, num_experts=e)
+    return _round_up(max(via_normal, kernels), _GRANULE)
   from jax_ep._ffi_dispatch import window_bytes_needed
   need = window_bytes_needed(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
                              x_bytes=dtype_bytes, y_bytes=out_bytes)

@@ -1,6 +1,9 @@
-"""Low-latency dispatch / combine with backend="cuda" (the low-latency ops
-over the normal CUDA kernels, jax_ep/ops/_low_latency_normal) against the
-low-latency reference, on 2 GPUs: bitwise, fused and split."""
+"""Low-latency dispatch / combine on GPU against the low-latency reference:
+backend="cuda" (today the ops over the normal CUDA kernels,
+jax_ep/ops/_low_latency_normal), bitwise, fused and split; and the dedicated
+kernels (jax_ep.ops.low_latency.kernel_dispatch / kernel_combine): counts,
+handle and every valid row bitwise, rows past the counts not compared (the
+contract leaves them unspecified), the combine bitwise."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +24,10 @@ pytestmark = [
 if _native.cuda_available():
   import gpu_helpers as h
 
-COMM_BYTES = 1 << 30
+# The kernels' area sits above LL_RESERVED (the normal ops of the other
+# tests here use the bytes below it): ~970 MB at the design shape.
+LL_RESERVED = 1 << 30
+COMM_BYTES = LL_RESERVED + (1 << 30)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +73,88 @@ def test_low_latency_cuda_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, spl
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape, a.dtype, b.dtype)
     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"leaf {i}")
+
+
+def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1):
+  """`calls` kernel dispatch -> combine rounds in one program, fresh inputs
+  each, against the reference; returns nothing, asserts bitwise."""
+  from jax_ep.ops import low_latency as ll
+  R = comm.num_ranks
+  rng = np.random.default_rng(seed)
+  xs, idxs, ws, ys = [], [], [], []
+  for _ in range(calls):
+    idxs.append(np.stack([h.random_topk(rng, T, K, E) for _ in range(R)]))
+    ws.append(rng.uniform(0.25, 1.5, size=(R, T, K)).astype(np.float32))
+    xs.append((rng.standard_normal((R, T, H)) * 3).astype(jnp.bfloat16))
+    ys.append(rng.standard_normal((R, E // R, R * mt, H)).astype(jnp.bfloat16))
+
+  def per_rank(xs, idxs, ws, ys):
+    outs = []
+    for x, i, w, y in zip(xs, idxs, ws, ys):
+      o = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0,
+                             reserved_bytes=LL_RESERVED)
+      out = ll.kernel_combine(y, i, w, o.handle, reserved_bytes=LL_RESERVED)
+      r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0,
+                                      backend="reference")
+      want = jax_ep.low_latency_combine(y, i, w, r.handle, backend="reference")
+      outs.append(((o.recv_x, o.recv_count, o.handle.src_entry, out),
+                   (r.recv_x, r.recv_count, r.handle.src_entry, want)))
+    return outs
+
+  f = h.per_rank_jit(comm.mesh, per_rank)
+  args = [[h.put(comm.mesh, np.asarray(v)) for v in group] for group in (xs, idxs, ws, ys)]
+  res = jax.block_until_ready(f(*args))
+  comm.check()
+  for c, (got, want) in enumerate(res):
+    gx, gc, ge, go = got
+    wx, wc, we, wo = want
+    np.testing.assert_array_equal(np.asarray(gc), np.asarray(wc), err_msg=f"call {c}: counts")
+    np.testing.assert_array_equal(np.asarray(ge), np.asarray(we), err_msg=f"call {c}: src_entry")
+    counts = np.asarray(wc)                                    # [R, E_l]
+    valid = np.arange(R * mt)[None, None, :] < counts[:, :, None]
+    for j, (a, b) in enumerate(zip(jax.tree.leaves(gx), jax.tree.leaves(wx))):
+      a, b = bits(np.asarray(a)), bits(np.asarray(b))
+      np.testing.assert_array_equal(a[valid], b[valid], err_msg=f"call {c}: recv_x leaf {j}")
+    np.testing.assert_array_equal(bits(np.asarray(go)), bits(np.asarray(wo)),
+                                  err_msg=f"call {c}: combine")
+
+
+@pytest.mark.parametrize("T,H,K,E,mt,fp8,ue8m0", [
+    (128, 7168, 8, 256, 128, False, False),  # docs/design.md §6 low-latency shape
+    (128, 7168, 8, 256, 128, True, False),
+    (37, 2048, 6, 64, 64, True, True),
+    (1, 128, 1, 8, 4, False, False),
+    (0, 128, 2, 8, 4, False, False),        # a rank with no tokens
+    (50, 256, 32, 64, 50, False, False),    # K = 32: one lane per slot
+])
+def test_low_latency_kernels_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, ue8m0):
+  _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed=T + H + K + E + mt + 2 * fp8 + ue8m0)
+
+
+def test_low_latency_kernels_many_calls_in_one_program_alternating_buffers(comm):
+  """Five rounds in one program: both buffers used twice or more; the
+  sequence numbers carry over between programs (second run)."""
+  for run in range(2):
+    _kernel_round(comm, 64, 512, 4, 32, 64, False, False, seed=900 + run, calls=5)
+
+
+def test_low_latency_kernels_fp8_and_bf16_calls_share_the_area(comm):
+  _kernel_round(comm, 32, 1024, 4, 16, 32, True, False, seed=950)
+  _kernel_round(comm, 32, 1024, 4, 16, 32, False, False, seed=951)
+  _kernel_round(comm, 32, 1024, 4, 16, 32, True, True, seed=952)
+
+
+def test_low_latency_kernel_bad_expert_id_is_reported_and_next_call_works(comm):
+  from jax_ep._checks import EpRuntimeError
+  from jax_ep.ops import low_latency as ll
+  R, T, H, K, E, mt = comm.num_ranks, 16, 256, 2, 8, 16
+  rng = np.random.default_rng(977)
+  idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
+  idx[R - 1, 3, 0] = E + 2
+  x = rng.standard_normal((R, T, H)).astype(jnp.bfloat16)
+  f = h.per_rank_jit(comm.mesh, lambda x, i: ll.kernel_dispatch(
+      x, i, num_experts=E, max_tokens=mt, reserved_bytes=LL_RESERVED).recv_count)
+  jax.block_until_ready(f(h.put(comm.mesh, x), h.put(comm.mesh, idx)))
+  with pytest.raises(EpRuntimeError, match="expert id"):
+    comm.check()
+  _kernel_round(comm, T, H, K, E, mt, False, False, seed=978)

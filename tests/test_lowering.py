@@ -34,7 +34,8 @@ def _export_text(f, *args) -> str:
     checks = [jax.export.DisabledSafetyCheck.custom_call(t)
               for t in ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all",
                         "jax_ep_engram_publish", "jax_ep_engram_fetch",
-                        "jax_ep_engram_publish_fetch")]
+                        "jax_ep_engram_publish_fetch", "jax_ep_ll_dispatch",
+                        "jax_ep_ll_combine")]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
     return exp.mlir_module()
 
@@ -249,3 +250,50 @@ def test_published_tables_lower_to_one_publish_each_and_fetches_that_take_its_to
   tokens = [re.match(r"\s*(%\S+)", p).group(1) for p in pubs]
   for fc in fetches:
     assert sum(t in fc.split("(", 1)[1] for t in tokens) == 1, fc
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_kernels_lower_to_one_call_each_with_their_shapes(monkeypatch, fp8):
+  """kernel_dispatch -> kernel_combine in one step: one custom call each, the
+  grid shapes of the contract, the combine fed the dispatch's handle."""
+  import jax_ep
+  from jax_ep.ops import _backend, low_latency as ll
+
+  class _Comm:
+    comm_id = COMM_ID
+
+  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
+  R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
+  mesh = _mesh(R)
+
+  def per_rank(x, idx, w):
+    o = ll.kernel_dispatch(x, idx, num_experts=E, max_tokens=M, fp8=fp8)
+    y = (o.recv_x[0].astype(jnp.float32) * o.recv_x[1][..., :1] if fp8 else o.recv_x)
+    return ll.kernel_combine(y.astype(jnp.bfloat16), idx, w, o.handle)
+
+  f = _smap(per_rank, mesh)
+  text = _export_text(f, jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((R * T, K), jnp.int32),
+                      jax.ShapeDtypeStruct((R * T, K), jnp.float32))
+  d = _custom_calls(text, "jax_ep_ll_dispatch")
+  c = _custom_calls(text, "jax_ep_ll_combine")
+  assert len(d) == 1 and len(c) == 1, text
+  elt = "f8E4M3FN" if fp8 else "bf16"
+  assert f"tensor<{E // R}x{R * M}x{H}x{elt}>" in d[0], d[0]
+  assert f"tensor<{E // R}x{R * M}xi32>" in d[0] and re.search(rf"comm_id = {COMM_ID} : i64", d[0])
+  assert f"fp8 = {int(fp8)} : i32" in d[0] and f"max_tokens = {M} : i32" in d[0], d[0]
+  assert f"tensor<{T}x{H}xbf16>" in c[0], c[0]
+
+
+def test_low_latency_kernels_refuse_inputs_they_cannot_take(monkeypatch):
+  from jax_ep.ops import _backend, low_latency as ll
+
+  class _Comm:
+    comm_id = COMM_ID
+
+  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
+  mesh = _mesh(2)
+  f = _smap(lambda x, i: ll.kernel_dispatch(x, i, num_experts=8, max_tokens=4).recv_count, mesh)
+  with pytest.raises(ValueError, match="bf16"):
+    jax.jit(f).lower(jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                     jax.ShapeDtypeStruct((8, 2), jnp.int32))

@@ -28,3 +28,15 @@ def test_python_window_hint_equals_kernel_layout(R, T, H, K, E):
                                             num_experts=E, x_bytes=x_bytes, fp8=fp8,
                                             y_bytes=y_bytes)
     assert got == want, (R, T, H, K, E, x_bytes, fp8, y_bytes, got, want)
+
+
+@pytest.mark.parametrize("R,M,H,K,E,reserved", [
+    (1, 1, 128, 1, 8, 0), (2, 128, 7168, 8, 256, 0), (2, 37, 2048, 6, 64, 12345),
+    (8, 128, 7168, 8, 256, 1 << 20), (4, 256, 4096, 32, 1024, 0),
+])
+def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved):
+  from jax_ep import _ffi_low_latency
+  want = _native.module().ll_window_bytes(R, M, H, K, E, reserved)
+  got = _ffi_low_latency.window_bytes_needed(num_ranks=R, max_tokens=M, hidden=H, topk=K,
+                                             num_experts=E, reserved_bytes=reserved)
+  assert got == want, (R, M, H, K, E, reserved, got, want)

@@ -17,6 +17,7 @@
 #include "handlers/state.h"
 #include "kernels/gin.cuh"
 #include "kernels/grouped_gemm.h"
+#include "kernels/low_latency.cuh"
 #include "kernels/window_layout.h"
 
 namespace nb = nanobind;
@@ -30,6 +31,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineExecute);
 
 namespace jax_ep {
 
@@ -276,6 +279,8 @@ void RegisterCudaBindings(nb::module_& m) {
     d["jax_ep_engram_publish"] = Bundle(JaxEpEngramPublishExecute);
     d["jax_ep_engram_fetch"] = Bundle(JaxEpEngramFetchExecute);
     d["jax_ep_engram_publish_fetch"] = Bundle(JaxEpEngramPublishFetchExecute);
+    d["jax_ep_ll_dispatch"] = Bundle(JaxEpLlDispatchExecute);
+    d["jax_ep_ll_combine"] = Bundle(JaxEpLlCombineExecute);
     nb::dict stateless;  // needs no communicator: execute stage only
     stateless["execute"] = HandlerCapsule(JaxEpGroupedGemmExecute);
     d["jax_ep_grouped_gemm"] = stateless;
@@ -292,6 +297,16 @@ void RegisterCudaBindings(nb::module_& m) {
         const_cast<void*>(reinterpret_cast<const void*>(&jax_ep::kCommStateTypeInfo)));
     return nb::make_tuple("jax_ep.CommState", d);
   }, "(name, {'type_id': capsule, 'type_info': capsule}) for jax.ffi.register_ffi_type.");
+
+  m.def(
+      "ll_window_bytes",
+      [](int R, int M, int H, int K, int E, int64_t reserved_bytes) {
+        return jax_ep::LlWindowBytes(R, M, H, K, E, static_cast<size_t>(reserved_bytes));
+      },
+      nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"),
+      nb::arg("num_experts"), nb::arg("reserved_bytes") = 0,
+      "Window bytes the low-latency kernels lay out (kernels/low_latency.cuh); "
+      "jax_ep._ffi_low_latency.window_bytes_needed must agree with it.");
 
   m.def(
       "window_bytes_needed",

@@ -26,10 +26,6 @@
 namespace jax_ep {
 namespace {
 
-ffi::Error Invalid(const char* op, const std::string& msg) {
-  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + msg);
-}
-
 bool ToEpDtype(ffi::DataType t, EpDtype* out) {
   switch (t) {
     case ffi::DataType::BF16: *out = EpDtype::kBF16; return true;
@@ -40,11 +36,6 @@ bool ToEpDtype(ffi::DataType t, EpDtype* out) {
   }
 }
 
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                            int64_t comm_id, int32_t num_experts, int32_t layout,

@@ -41,19 +41,9 @@
 namespace jax_ep {
 namespace {
 
-ffi::Error Invalid(const char* op, const std::string& msg) {
-  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + msg);
-}
-
 bool TableDtype(ffi::DataType t) {
   return t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32 ||
          t == ffi::DataType::F8E4M3FN;
-}
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
 }
 
 // The same placement check for both targets (they must agree on table_off).

@@ -56,6 +56,17 @@ inline auto BindEpExecute() {
       .Attr<int64_t>("comm_id");
 }
 
+// A bad argument of op `op` (the message names it).
+inline ffi::Error Invalid(const char* op, const std::string& msg) {
+  return ffi::Error::InvalidArgument(std::string("jax_ep ") + op + ": " + msg);
+}
+
+inline std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
 inline ffi::Error CudaError(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_ep ") + what + ": " + cudaGetErrorName(err) +
                               " (" + cudaGetErrorString(err) + ")");

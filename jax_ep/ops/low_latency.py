@@ -6,18 +6,77 @@ Backends: the reference by default (None / "auto" / "reference");
 backend="cuda" runs them over the normal CUDA kernels (_low_latency_normal:
 bitwise the reference, not yet DeepEP-class latency). That path does all its
 work in *_start, so it leaves XLA nothing to overlap.
+
+The dedicated kernels (one kernel per op, rows stored straight into the
+owners' windows: docs/low_latency.md) are reached through
+`kernel_dispatch` / `kernel_combine`; they become the CUDA path once a GPU
+run has checked them against the reference (`_KERNELS_VALIDATED`).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jax_ep import reference as ref
 from jax_ep._checks import check_positive, check_routing, check_x
 from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle, Pending
 from jax_ep.ops import _backend
 from jax_ep.ops import _low_latency_normal as _via_normal
+
+# Written, compiled and CPU-lowered, not yet run on a GPU (session 6):
+# backend="cuda" keeps the composition over the normal kernels until then.
+_KERNELS_VALIDATED = False
+
+
+def kernel_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, max_tokens: int,
+                    axis_name: str = "ep", fp8: bool = False, ue8m0: bool = False,
+                    reserved_bytes: int = 0, num_sms: int = 0) -> LowLatencyDispatchOutput:
+  """low_latency_dispatch on the dedicated kernels (bf16 x; rows past a
+  count are left unwritten). Needs a Communicator for `axis_name`."""
+  from jax_ep import _ffi_low_latency as ffi_ll
+  _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, "cuda")
+  if not ffi_ll.kernels_take(x.dtype, x.shape[1], fp8, topk_idx.shape[1]):
+    raise ValueError("the low-latency kernels take bf16 x with H a multiple of 8 (128 with FP8) "
+                     f"and 1 <= K <= 32; got {x.dtype}, H={x.shape[1]}, K={topk_idx.shape[1]}")
+  num_ranks = ref.axis_size(axis_name)
+
+  def cuda(comm):
+    return lambda a, i: ffi_ll.dispatch_cuda(
+        a, i, num_experts=num_experts, max_tokens=max_tokens, num_ranks=num_ranks,
+        comm_id=comm.comm_id, fp8=fp8, ue8m0=ue8m0, reserved_bytes=reserved_bytes,
+        num_sms=num_sms)
+
+  recv, counts, src_entry = _backend.run("cuda", axis_name, None, cuda, x,
+                                         topk_idx.astype(jnp.int32))
+  handle = LowLatencyHandle(src_entry=src_entry, recv_count=counts, max_tokens=max_tokens,
+                            num_experts=num_experts)
+  return LowLatencyDispatchOutput(recv, counts, handle)
+
+
+def kernel_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                   handle: LowLatencyHandle, *, axis_name: str = "ep", reserved_bytes: int = 0,
+                   num_sms: int = 0) -> jax.Array:
+  """low_latency_combine on the dedicated kernel (bf16 y)."""
+  from jax_ep import _ffi_low_latency as ffi_ll
+  _check_combine(y, topk_idx, topk_weights, handle, axis_name, "cuda")
+  if y.dtype != jnp.bfloat16 or y.shape[-1] % 8:
+    raise ValueError(f"the low-latency combine kernel takes bf16 y with H a multiple of 8; "
+                     f"got {y.dtype}, H={y.shape[-1]}")
+
+  def cuda(comm):
+    return lambda yy, e, c, i, w: ffi_ll.combine_cuda(
+        yy, e, c, i, w, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
+        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=num_sms)
+
+  return _backend.run("cuda", axis_name, None, cuda, y, handle.src_entry, handle.recv_count,
+                      topk_idx.astype(jnp.int32), topk_weights)
+
+
+def _kernels_for(x_dtype, hidden, fp8, topk) -> bool:
+  from jax_ep import _ffi_low_latency as ffi_ll
+  return _KERNELS_VALIDATED and ffi_ll.kernels_take(x_dtype, hidden, fp8, topk)
 
 
 def _check_pending(pending, op: str) -> None:
@@ -42,6 +101,11 @@ def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts
                                ue8m0: bool = False, backend: Optional[str] = None) -> Any:
   """Sends; returns an opaque pending state for `low_latency_dispatch_done`."""
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
+  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1]):
+    out = kernel_dispatch(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
+                          axis_name=axis_name, fp8=fp8, ue8m0=ue8m0)
+    return Pending(out, op="low_latency_dispatch", axis_name=axis_name, num_experts=num_experts,
+                   max_tokens=max_tokens, backend="cuda")
   if backend == "cuda":
     out = _via_normal.dispatch_via_normal(x, topk_idx, num_experts=num_experts,
                                           max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
@@ -99,6 +163,10 @@ def low_latency_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: j
                               backend: Optional[str] = None) -> Any:
   """Sends expert outputs back; returns a pending state for `low_latency_combine_done`."""
   _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
+  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1]):
+    out = kernel_combine(y, topk_idx, topk_weights, handle, axis_name=axis_name)
+    return Pending(out, op="low_latency_combine", axis_name=axis_name,
+                   num_experts=handle.num_experts, backend="cuda")
   if backend == "cuda":
     out = _via_normal.combine_via_normal(y, topk_idx, topk_weights, handle, axis_name=axis_name,
                                          backend="cuda")

@@ -1,0 +1,455 @@
+// Low-latency dispatch / combine kernels (low_latency.cuh has the protocol
+// and the window layout; docs/low_latency.md the why).
+//
+// Both kernels run every CTA at once (grid <= SMs, one CTA per SM): CTAs
+// that wait for peers never block CTAs that still send.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "ep_copy.cuh"
+#include "fp8.cuh"
+#include "low_latency.cuh"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kLlThreads = 512;
+constexpr int kLlWarps = kLlThreads / 32;
+
+// Window data a peer wrote during this kernel, read after an acquire of its
+// count word: cached in L2 only.
+__device__ __forceinline__ uint4 LdCg(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ int32_t LdCgI32(const int32_t* ptr) {
+  int32_t v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
+  return v;
+}
+
+// Waits until `word` carries tag `seq`; returns its low 32 bits, or -1 after
+// reporting a timeout (peer `peer`).
+__device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uint64_t seq,
+                              int peer) {
+  const unsigned long long t0 = globaltimer_ns();
+  unsigned polls = 0;
+  while (true) {
+    const uint64_t w = ld_acquire_sys(word);
+    if (TagMatches(w, seq)) return static_cast<int64_t>(w & 0xffffffffull);
+    if ((++polls & 255u) == 0u && globaltimer_ns() - t0 > p.timeout_ns) {
+      report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(peer));
+      return -1;
+    }
+  }
+}
+
+// Every CTA calls this once its sends are issued: makes them visible, then
+// counts itself. CTA 0 then waits for all, so whatever it publishes next
+// (the count / flag words) is ordered after every CTA's rows.
+__device__ void AllSent(unsigned long long* sent) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    atomicAdd(sent, 1ull);
+    if (blockIdx.x == 0) {
+      while (*reinterpret_cast<volatile unsigned long long*>(sent) < gridDim.x) {
+      }
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+}
+
+// The last CTA to finish resets the scratch counters and advances the
+// sequence number for the next call.
+__device__ void Finish(unsigned long long* seq_ctr, unsigned long long* sent,
+                       unsigned long long* done, unsigned long long seq) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(done, 1ull) == gridDim.x - 1) {
+      *sent = 0;
+      *done = 0;
+      *seq_ctr = seq;
+      __threadfence();
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned long long ReadSeq(const unsigned long long* ctr) {
+  return *reinterpret_cast<const volatile unsigned long long*>(ctr) + 1;
+}
+
+// ---------------------------------------------------------------- dispatch
+
+__global__ void __launch_bounds__(kLlThreads, 1)
+    LlDispatchKernel(const __grid_constant__ LlDispatchArgs a, const __grid_constant__ EpPeers p,
+                     const __grid_constant__ LlLayout L) {
+  extern __shared__ int32_t smem[];
+  int32_t* s_count = smem;                  // [E] rows of this rank per expert
+  int32_t* s_slot = smem + a.num_experts;   // [T * K] each entry's row in its slot area
+  const int T = a.num_tokens, K = a.topk, E = a.num_experts, R = p.nranks, M = a.max_tokens;
+  const int E_l = E / R, TK = T * K;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned long long* ctr = a.counters;
+  const unsigned long long seq = ReadSeq(ctr + kLlDispatchSeqCounter);
+  const int b = static_cast<int>(seq & 1ull);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
+  __syncthreads();
+
+  // 1. Each entry's slot: its rank among this rank's entries for the same
+  // expert in (t, k) order. Warp 0 of every CTA walks the entries 32 at a
+  // time (a few hundred cycles; cheaper than a grid-wide exchange).
+  if (warp == 0) {
+    bool bad = false;
+    for (int base = 0; base < TK; base += 32) {
+      const int q = base + lane;
+      int32_t id = q < TK ? __ldg(a.topk_idx + q) : -1;
+      if (id < -1 || id >= E) {
+        bad = true;
+        id = -1;
+      }
+      const unsigned same = __match_any_sync(kFullMask, id);
+      const int before = __popc(same & ((1u << lane) - 1u));
+      const int slot = id >= 0 ? s_count[id] + before : -1;
+      __syncwarp();
+      if (id >= 0 && before == 0) s_count[id] += __popc(same);
+      __syncwarp();
+      if (q < TK) s_slot[q] = slot;
+    }
+    if (__any_sync(kFullMask, bad) && lane == 0 && blockIdx.x == 0) {
+      report_error(p, Op::kLowLatencyDispatch, Cause::kBadExpertId);
+    }
+  }
+  __syncthreads();
+
+  // 2. Rows to their owners: one warp per token, the row read once and
+  // stored into every destination slot (FP8: cast on the way).
+  const int gw = blockIdx.x * kLlWarps + warp;
+  const int nw = gridDim.x * kLlWarps;
+  const int H = a.hidden;
+  const int nvec = H / 8;  // 16-byte vectors of bf16
+  for (int t = gw; t < T; t += nw) {
+    char* lane_row = nullptr;
+    bool ok = false, overflow = false;
+    if (lane < K) {
+      const int q = t * K + lane;
+      const int32_t id = __ldg(a.topk_idx + q);
+      const int slot = s_slot[q];
+      if (id >= 0 && id < E && slot >= 0) {
+        if (slot < M) {
+          const int d = id / E_l, l = id - d * E_l;
+          const size_t cell = (static_cast<size_t>(l) * R + p.rank) * M + slot;
+          lane_row = p.base[d] + L.DispRows(b) + cell * L.row_bytes;
+          *reinterpret_cast<int32_t*>(p.base[d] + L.DispMeta(b) + cell * 4) = q;
+          ok = true;
+        } else {
+          overflow = true;
+        }
+      }
+    }
+    if (__any_sync(kFullMask, overflow) && lane == 0) {
+      report_error(p, Op::kLowLatencyDispatch, Cause::kCapacityOverflow);
+    }
+    const unsigned dst_mask = __ballot_sync(kFullMask, ok);
+    const uint4* xv = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) +
+                                                     static_cast<size_t>(t) * H * 2);
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * 32 + lane;
+        v[u] = idx < nvec ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
+      }
+      if (!a.fp8) {
+        for (unsigned m = dst_mask; m; m &= m - 1)
+          StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_row, __ffs(m) - 1)), base, nvec, lane, v);
+      } else {
+        // 8 channels per lane, 16 lanes per 128-channel block (H % 128 == 0).
+        uint2 qv[kUnroll];
+        float s[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          float f[8];
+          Vec16<__nv_bfloat16>::ToFloat(v[u], f);
+          float amax = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+          for (int off = 8; off >= 1; off >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+          s[u] = Fp8Scale(amax, a.ue8m0);
+          const float inv = __fdiv_rn(1.0f, s[u]);
+          uint8_t q8[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) q8[i] = Fp8Quantize(f[i], inv);
+          memcpy(&qv[u], q8, sizeof(uint2));
+        }
+        for (unsigned m = dst_mask; m; m &= m - 1) {
+          char* row = ShflPtr(lane_row, __ffs(m) - 1);
+          float* srow = reinterpret_cast<float*>(row + H);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int idx = base + u * 32 + lane;
+            if (idx < nvec) {
+              reinterpret_cast<uint2*>(row)[idx] = qv[u];
+              if (lane % 16 == 0) srow[idx / 16] = s[u];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // 3. Counts, after every CTA's rows: (seq << 32 | rows) per (expert, this
+  // rank) into the expert owner's window.
+  AllSent(ctr + kLlDispatchSentCounter);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const int d = e / E_l, l = e - d * E_l;
+      const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
+      uint64_t* word = reinterpret_cast<uint64_t*>(p.base[d] + L.DispCounts(b)) +
+                       static_cast<size_t>(l) * R + p.rank;
+      st_relaxed_sys(word, MakeTagged(seq, rows));
+    }
+  }
+
+  // 4. Receive: one CTA per local expert at a time. Wait for every source's
+  // count, then pack its rows from row 0 in (source rank, token, k) order.
+  __shared__ int32_t s_off[kMaxRanks + 1];
+  const int m_all = R * M;
+  for (int l = blockIdx.x; l < E_l; l += gridDim.x) {
+    if (threadIdx.x < R) {
+      const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.DispCounts(b)) +
+                             static_cast<size_t>(l) * R + threadIdx.x;
+      const int64_t n = WaitTagged(p, Op::kLowLatencyDispatch, word, seq, threadIdx.x);
+      s_off[threadIdx.x + 1] = n < 0 ? 0 : static_cast<int32_t>(n);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s_off[0] = 0;
+      for (int s = 0; s < R; ++s) s_off[s + 1] += s_off[s];
+      a.recv_count[l] = s_off[R];
+    }
+    __syncthreads();
+    const int total = s_off[R];
+    // The handle, every row of it (small): the source entry, -1 past the count.
+    for (int i = threadIdx.x; i < m_all; i += blockDim.x) {
+      int32_t entry = -1;
+      if (i < total) {
+        int s = 0;
+        while (i >= s_off[s + 1]) ++s;
+        const size_t cell = (static_cast<size_t>(l) * R + s) * M + (i - s_off[s]);
+        const int32_t q = LdCgI32(reinterpret_cast<const int32_t*>(p.base[p.rank] + L.DispMeta(b)) + cell);
+        entry = s * TK + q;
+      }
+      a.src_entry[static_cast<size_t>(l) * m_all + i] = entry;
+    }
+    // The rows, one warp each.
+    for (int i = warp; i < total; i += kLlWarps) {
+      int s = 0;
+      while (i >= s_off[s + 1]) ++s;
+      const size_t cell = (static_cast<size_t>(l) * R + s) * M + (i - s_off[s]);
+      const char* src = p.base[p.rank] + L.DispRows(b) + cell * L.row_bytes;
+      const size_t out_row = static_cast<size_t>(l) * m_all + i;
+      if (!a.fp8) {
+        const uint4* sv = reinterpret_cast<const uint4*>(src);
+        uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * H * 2);
+        for (int v = lane; v < nvec; v += 32) StNa(dv + v, LdCg(sv + v));
+      } else {
+        const uint4* sv = reinterpret_cast<const uint4*>(src);
+        uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * H);
+        for (int v = lane; v < H / 16; v += 32) StNa(dv + v, LdCg(sv + v));
+        const float* ss = reinterpret_cast<const float*>(src + H);
+        float* ds = a.recv_scales + out_row * (H / 128);
+        for (int j = lane; j < H / 128; j += 32) ds[j] = __ldcg(ss + j);
+      }
+    }
+    __syncthreads();
+  }
+  Finish(ctr + kLlDispatchSeqCounter, ctr + kLlDispatchSentCounter, ctr + kLlDispatchDoneCounter,
+         seq);
+}
+
+// ---------------------------------------------------------------- combine
+
+__global__ void __launch_bounds__(kLlThreads, 1)
+    LlCombineKernel(const __grid_constant__ LlCombineArgs a, const __grid_constant__ EpPeers p,
+                    const __grid_constant__ LlLayout L) {
+  const int T = a.num_tokens, K = a.topk, E = a.num_experts, R = p.nranks, M = a.max_tokens;
+  const int E_l = E / R, TK = T * K, m_all = R * M, H = a.hidden, nvec = H / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned long long* ctr = a.counters;
+  const unsigned long long seq = ReadSeq(ctr + kLlCombineSeqCounter);
+  const int b = static_cast<int>(seq & 1ull);
+
+  // 1. Every valid expert-side row back to its token's (t, k) slot in the
+  // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
+  // the few rows of each expert (decode: ~8) spread over the grid.
+  const int gw = blockIdx.x * kLlWarps + warp;
+  const int nw = gridDim.x * kLlWarps;
+  bool bad = false;
+  for (int task = gw; task < E_l * m_all; task += nw) {
+    const int l = task % E_l, i = task / E_l;
+    if (i >= __ldg(a.recv_count + l)) continue;
+    const int32_t entry = __ldg(a.src_entry + static_cast<size_t>(l) * m_all + i);
+    if (entry < 0 || entry >= R * TK) {
+      bad = true;
+      continue;
+    }
+    const int s = entry / TK, q = entry - s * TK;
+    uint4* dst = reinterpret_cast<uint4*>(p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes);
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.y) +
+                                                      (static_cast<size_t>(l) * m_all + i) * H * 2);
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * 32 + lane;
+        v[u] = idx < nvec ? LdNcNa(src + idx) : make_uint4(0, 0, 0, 0);
+      }
+      StoreChunk(dst, base, nvec, lane, v);
+    }
+  }
+  if (__any_sync(kFullMask, bad) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
+
+  // 2. One flag per source rank, after every CTA's rows.
+  AllSent(ctr + kLlCombineSentCounter);
+  if (blockIdx.x == 0 && threadIdx.x < R) {
+    uint64_t* word = reinterpret_cast<uint64_t*>(p.base[threadIdx.x] + L.CombFlags(b)) + p.rank;
+    st_relaxed_sys(word, MakeTagged(seq, 1u));
+  }
+
+  // 3. Reduce: wait for every expert owner, then each token's rows in
+  // ascending (expert, k) order, f32 products and sums rounded as written.
+  // (A timeout is reported; the sums then read whatever the slots hold.)
+  if (threadIdx.x < R) {
+    const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.CombFlags(b)) + threadIdx.x;
+    WaitTagged(p, Op::kLowLatencyCombine, word, seq, threadIdx.x);
+  }
+  __syncthreads();
+  // Per warp: the token's valid slots in ascending (expert, k) order, with
+  // their weights (shared memory, so the channel loop below needs no
+  // shuffles and may run a different trip count per lane).
+  __shared__ int s_k[kLlWarps][32];
+  __shared__ float s_w[kLlWarps][32];
+  const char* slots = p.base[p.rank] + L.CombRows(b);
+  for (int t = gw; t < T; t += nw) {
+    const int32_t id = lane < K ? __ldg(a.topk_idx + t * K + lane) : -1;
+    const bool valid = lane < K && id >= 0 && id < E;
+    const int key = valid ? id : E + 1 + lane;  // invalid: after every valid one, in k order
+    int pos = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int kj = __shfl_sync(kFullMask, key, j);
+      pos += (kj < key) || (kj == key && j < lane);
+    }
+    const int n_valid = __popc(__ballot_sync(kFullMask, valid));
+    if (valid) {
+      s_k[warp][pos] = lane;
+      s_w[warp][pos] = __ldg(a.topk_weights + t * K + lane);
+    }
+    __syncwarp();
+    uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(a.out) + static_cast<size_t>(t) * H * 2);
+    for (int v = lane; v < nvec; v += 32) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = n_valid > 0 ? -0.0f : 0.0f;
+      for (int r = 0; r < n_valid; ++r) {
+        const int k = s_k[warp][r];
+        const float wk = s_w[warp][r];
+        const uint4 y = LdCg(reinterpret_cast<const uint4*>(
+                                 slots + static_cast<size_t>(t * K + k) * L.y_row_bytes) + v);
+        float f[8];
+        Vec16<__nv_bfloat16>::ToFloat(y, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+      }
+      StNa(out + v, Vec16<__nv_bfloat16>::FromFloat(acc));
+    }
+    __syncwarp();
+  }
+  Finish(ctr + kLlCombineSeqCounter, ctr + kLlCombineSentCounter, ctr + kLlCombineDoneCounter,
+         seq);
+}
+
+int Blocks(int requested, int device_sms, int work) {
+  int n = requested > 0 ? requested : device_sms;
+  n = std::min(n, device_sms);  // every CTA resident: waiting CTAs must not block senders
+  return std::max(1, std::min(n, std::max(work, 1)));
+}
+
+}  // namespace
+
+size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes) {
+  const size_t low = std::max(reserved_bytes, kWindowHeaderBytes);
+  return LlLayout(R, M, H, K, E / std::max(R, 1), low).End();
+}
+
+std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
+  if (p.gin_mask != 0) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
+  if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
+  if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
+  if (a.max_tokens < 1 || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
+    return "need 0 <= tokens <= max_tokens";
+  if (a.fp8 ? a.hidden % 128 : a.hidden % 8) return a.fp8 ? "hidden must be a multiple of 128 for FP8"
+                                                        : "hidden must be a multiple of 8";
+  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
+                                         static_cast<size_t>(a.num_tokens) * a.topk);
+  if (smem > 200 * 1024) return "num_experts + tokens * topk too large for one CTA's shared memory";
+  const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
+                                    a.reserved_bytes);
+  if (need > p.window_bytes)
+    return "the symmetric window is too small for the low-latency ops: it needs " +
+           std::to_string(need) + " bytes, has " + std::to_string(p.window_bytes) +
+           " (Communicator.create(num_bytes=get_buffer_size_hint(..., low_latency=True)))";
+  return "";
+}
+
+std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
+  if (p.gin_mask != 0) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
+  if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
+  if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
+  if (a.max_tokens < 1 || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
+    return "need 0 <= tokens <= max_tokens";
+  if (a.hidden % 8) return "hidden must be a multiple of 8";
+  const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
+                                    a.reserved_bytes);
+  if (need > p.window_bytes)
+    return "the symmetric window is too small for the low-latency ops: it needs " +
+           std::to_string(need) + " bytes, has " + std::to_string(p.window_bytes);
+  return "";
+}
+
+cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int device_sms,
+                             cudaStream_t stream) {
+  const int R = p.nranks;
+  const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
+                   std::max(a.reserved_bytes, kWindowHeaderBytes));
+  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
+                                         static_cast<size_t>(a.num_tokens) * a.topk);
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(LlDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const int work = std::max((a.num_tokens + kLlWarps - 1) / kLlWarps, a.num_experts / R);
+  LlDispatchKernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, smem, stream>>>(a, p, L);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchLlCombine(const LlCombineArgs& a, const EpPeers& p, int device_sms,
+                            cudaStream_t stream) {
+  const int R = p.nranks;
+  const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
+                   std::max(a.reserved_bytes, kWindowHeaderBytes));
+  const int work = std::max(a.num_experts / R, (a.num_tokens + kLlWarps - 1) / kLlWarps);
+  LlCombineKernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, 0, stream>>>(a, p, L);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

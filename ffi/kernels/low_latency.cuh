@@ -1,0 +1,127 @@
+// Low-latency (decode) dispatch / combine as dedicated kernels
+// (docs/low_latency.md). Semantics: jax_ep/reference.py low_latency_* (rows
+// of local expert l packed from row 0 in (source rank, token, k) order; the
+// combine sums w * y per token in ascending (expert, k) order, in f32, with
+// explicitly rounded products and sums).
+//
+// One kernel per op, no barrier: senders store rows straight into the
+// owner's window area for (expert, source rank) and then a count word
+// carrying the call's sequence number; receivers wait for the words they
+// need and copy the valid rows out. Every area is double-buffered by the
+// parity of the call's sequence number, which is what makes a barrier
+// unnecessary: a rank writes buffer b of call n + 2 only after it has
+// received call n + 1 from every peer, and each peer sent call n + 1 only
+// after it had finished reading call n.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+
+namespace jax_ep {
+
+// Device-local counter slots (comm.h's counters) the kernels own.
+constexpr int kLlDispatchSeqCounter = 2;
+constexpr int kLlCombineSeqCounter = 3;
+constexpr int kLlDispatchSentCounter = 4;  // CTAs done sending (reset by the last)
+constexpr int kLlCombineSentCounter = 5;
+constexpr int kLlDispatchDoneCounter = 6;  // CTAs done (the last bumps the sequence)
+constexpr int kLlCombineDoneCounter = 7;
+
+constexpr size_t kLlAlign = 256;
+
+// Where each area sits in every rank's window, from `base_off` on (>= the
+// runtime header and the `reserved_bytes` of the normal ops). Per buffer
+// b in {0, 1}:
+//   dispatch counts  u64 [E_l][R]        (seq << 32 | rows), written by source r
+//   dispatch meta    i32 [E_l][R][M]     t * K + k of each row
+//   dispatch rows    [E_l][R][M][H * 2]  bf16, or FP8: the e4m3 payload (H bytes)
+//                                        then the f32 scales (H/128 of them). One
+//                                        stride for both, so calls of either kind
+//                                        alternate buffers without overlapping.
+//   combine flags    u64 [R]             seq, written by expert owner r
+//   combine rows     [M][K][H * 2]       the expert output for (t, k), bf16
+struct LlLayout {
+  int R = 0, M = 0, H = 0, K = 0, E_l = 0;
+  size_t base_off = 0;
+  size_t row_bytes = 0, y_row_bytes = 0;
+  size_t disp_counts_bytes = 0, disp_meta_bytes = 0, disp_rows_bytes = 0, disp_buf = 0;
+  size_t comb_flags_bytes = 0, comb_rows_bytes = 0, comb_buf = 0;
+
+  static __host__ __device__ size_t Up(size_t n) { return (n + kLlAlign - 1) / kLlAlign * kLlAlign; }
+
+  __host__ __device__ LlLayout(int r, int m, int h, int k, int e_l, size_t base)
+      : R(r), M(m), H(h), K(k), E_l(e_l), base_off(Up(base)) {
+    row_bytes = static_cast<size_t>(H) * 2;
+    y_row_bytes = static_cast<size_t>(H) * 2;
+    const size_t slots = static_cast<size_t>(E_l) * R;
+    disp_counts_bytes = Up(slots * 8);
+    disp_meta_bytes = Up(slots * M * 4);
+    disp_rows_bytes = Up(slots * M * row_bytes);
+    disp_buf = disp_counts_bytes + disp_meta_bytes + disp_rows_bytes;
+    comb_flags_bytes = Up(static_cast<size_t>(R) * 8);
+    comb_rows_bytes = Up(static_cast<size_t>(M) * K * y_row_bytes);
+    comb_buf = comb_flags_bytes + comb_rows_bytes;
+  }
+
+  __host__ __device__ size_t DispCounts(int b) const { return base_off + b * disp_buf; }
+  __host__ __device__ size_t DispMeta(int b) const { return DispCounts(b) + disp_counts_bytes; }
+  __host__ __device__ size_t DispRows(int b) const { return DispMeta(b) + disp_meta_bytes; }
+  __host__ __device__ size_t CombFlags(int b) const { return base_off + 2 * disp_buf + b * comb_buf; }
+  __host__ __device__ size_t CombRows(int b) const { return CombFlags(b) + comb_flags_bytes; }
+  // Window bytes from the base that the layout needs (the size hint).
+  __host__ __device__ size_t End() const { return base_off + 2 * disp_buf + 2 * comb_buf; }
+};
+
+struct LlDispatchArgs {
+  const void* x = nullptr;           // [T, H] bf16
+  const int32_t* topk_idx = nullptr; // [T, K]
+  int num_tokens = 0;                // T <= M
+  int max_tokens = 0;                // M
+  int hidden = 0;                    // H (multiple of 128 with FP8, of 8 otherwise)
+  int topk = 0;                      // K <= 32
+  int num_experts = 0;               // E, E % R == 0
+  bool fp8 = false;
+  bool ue8m0 = false;
+  size_t reserved_bytes = 0;
+  void* recv_x = nullptr;            // [E_l, R * M, H] bf16, or e4m3 with fp8
+  float* recv_scales = nullptr;      // [E_l, R * M, H / 128] with fp8, else null
+  int32_t* recv_count = nullptr;     // [E_l]
+  int32_t* src_entry = nullptr;      // [E_l, R * M]: (s * T + t) * K + k, -1 past the count
+  unsigned long long* counters = nullptr;  // the device's counters (comm.h)
+  int num_blocks = 0;                // 0: every SM
+};
+
+struct LlCombineArgs {
+  const void* y = nullptr;              // [E_l, R * M, H] bf16
+  const int32_t* src_entry = nullptr;   // [E_l, R * M]
+  const int32_t* recv_count = nullptr;  // [E_l]
+  const int32_t* topk_idx = nullptr;    // [T, K]
+  const float* topk_weights = nullptr;  // [T, K]
+  int num_tokens = 0, max_tokens = 0, hidden = 0, topk = 0, num_experts = 0;
+  size_t reserved_bytes = 0;
+  void* out = nullptr;                  // [T, H] bf16
+  unsigned long long* counters = nullptr;
+  int num_blocks = 0;
+};
+
+// Window bytes (from the base) the low-latency ops need for a config: the
+// communicator's size hint must be at least this (jax_ep.comm mirrors it).
+size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes);
+
+// "" when the launch can proceed, else a message naming the argument.
+std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p);
+std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p);
+
+// Enqueue the op (one kernel). Device-side problems (expert id outside
+// [-1, E), more than M rows from one source for one expert, a peer that
+// never arrives) go to the status word.
+cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int device_sms,
+                             cudaStream_t stream);
+cudaError_t LaunchLlCombine(const LlCombineArgs& a, const EpPeers& p, int device_sms,
+                            cudaStream_t stream);
+
+}  // namespace jax_ep

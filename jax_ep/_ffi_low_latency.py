@@ -1,0 +1,80 @@
+"""FFI wrappers of the dedicated low-latency kernels (ffi/handlers/low_latency.cc).
+
+  "jax_ep_ll_dispatch": (x [T, H] bf16, topk_idx [T, K]) -> recv_x
+    [E_l, R*M, H] (bf16, or e4m3 + f32 scales [E_l, R*M, H/128] with fp8),
+    recv_count [E_l], src_entry [E_l, R*M]; rows past a count are not written.
+  "jax_ep_ll_combine": (y [E_l, R*M, H] bf16, src_entry, recv_count,
+    topk_idx, topk_weights) -> out [T, H] bf16.
+
+They run inside `shard_map` on one rank's shard; user-facing checks live in
+`jax_ep.ops.low_latency`. Window layout: ffi/kernels/low_latency.cuh, which
+`window_bytes_needed` mirrors (tests compare it with the native formula).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep._ffi import _call
+
+Array = jax.Array
+
+_ALIGN = 256
+_HEADER_BYTES = 4096
+
+
+def _up(n: int) -> int:
+  return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def window_bytes_needed(*, num_ranks: int, max_tokens: int, hidden: int, topk: int,
+                        num_experts: int, reserved_bytes: int = 0) -> int:
+  """Window bytes from the base that the kernels lay out (LlLayout::End):
+  two buffers each of dispatch counts, source entries and [E_l, R, M] rows of
+  H bf16 (FP8 rows fit in the same stride), then two of combine flags and
+  [M, K] rows."""
+  r, m, h, k = int(num_ranks), int(max_tokens), int(hidden), int(topk)
+  slots = (int(num_experts) // max(r, 1)) * r
+  base = _up(max(int(reserved_bytes), _HEADER_BYTES))
+  disp = _up(slots * 8) + _up(slots * m * 4) + _up(slots * m * h * 2)
+  comb = _up(r * 8) + _up(m * k * h * 2)
+  return base + 2 * disp + 2 * comb
+
+
+def kernels_take(x_dtype, hidden: int, fp8: bool, topk: int) -> bool:
+  """Whether the kernels handle this input (else the caller falls back)."""
+  return (jnp.dtype(x_dtype) == jnp.bfloat16 and 1 <= topk <= 32 and
+          hidden % (128 if fp8 else 8) == 0)
+
+
+def dispatch_cuda(x: Array, topk_idx: Array, *, num_experts: int, max_tokens: int,
+                  num_ranks: int, comm_id: int, fp8: bool = False, ue8m0: bool = False,
+                  reserved_bytes: int = 0, num_sms: int = 0):
+  """(recv_x, recv_count, src_entry); recv_x is (e4m3, scales) with fp8."""
+  t, h = x.shape
+  e_l = num_experts // num_ranks
+  m_all = num_ranks * max_tokens
+  rx = jax.ShapeDtypeStruct((e_l, m_all, h), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+  rs = jax.ShapeDtypeStruct((e_l, m_all, h // 128) if fp8 else (0,), jnp.float32)
+  out = _call("jax_ep_ll_dispatch", (rx, rs, jax.ShapeDtypeStruct((e_l,), jnp.int32),
+                                     jax.ShapeDtypeStruct((e_l, m_all), jnp.int32)),
+              vmap_method=None)(
+      x, topk_idx.astype(jnp.int32), comm_id=np.int64(comm_id),
+      num_experts=np.int32(num_experts), max_tokens=np.int32(max_tokens), fp8=np.int32(fp8),
+      ue8m0=np.int32(ue8m0), reserved_bytes=np.int64(reserved_bytes), num_sms=np.int32(num_sms))
+  recv_x, recv_scales, recv_count, src_entry = out
+  return ((recv_x, recv_scales) if fp8 else recv_x), recv_count, src_entry
+
+
+def combine_cuda(y: Array, src_entry: Array, recv_count: Array, topk_idx: Array,
+                 topk_weights: Array, *, num_experts: int, max_tokens: int, comm_id: int,
+                 reserved_bytes: int = 0, num_sms: int = 0) -> Array:
+  """out [T, H] bf16."""
+  t = topk_idx.shape[0]
+  return _call("jax_ep_ll_combine", jax.ShapeDtypeStruct((t, y.shape[-1]), jnp.bfloat16),
+               vmap_method=None)(
+      y, src_entry.astype(jnp.int32), recv_count.astype(jnp.int32), topk_idx.astype(jnp.int32),
+      topk_weights.astype(jnp.float32), comm_id=np.int64(comm_id),
+      num_experts=np.int32(num_experts), max_tokens=np.int32(max_tokens),
+      reserved_bytes=np.int64(reserved_bytes), num_sms=np.int32(num_sms))

@@ -158,3 +158,10 @@ def test_low_latency_kernel_bad_expert_id_is_reported_and_next_call_works(comm):
   with pytest.raises(EpRuntimeError, match="expert id"):
     comm.check()
   _kernel_round(comm, T, H, K, E, mt, False, False, seed=978)
+
+
+def test_low_latency_kernels_survive_layout_changes(comm):
+  """Shapes A, B, A, B on one communicator: each change moves the areas and
+  takes the reset path (two barriers, count words cleared)."""
+  for n, (T, H, K, E, mt) in enumerate([(16, 512, 4, 16, 16), (40, 1024, 8, 32, 48)] * 2):
+    _kernel_round(comm, T, H, K, E, mt, n % 2 == 1, False, seed=990 + n, calls=2)

@@ -24,6 +24,18 @@
 namespace jax_ep {
 namespace {
 
+// A non-zero reset generation when this call's window layout differs from
+// the previous low-latency call's on this device (LlDispatchArgs::reset_gen).
+unsigned long long LayoutReset(DeviceResources& dev, int64_t m, int64_t h, int64_t k, int64_t e,
+                               int64_t reserved) {
+  const int64_t key[6] = {1, m, h, k, e, reserved};
+  bool same = true;
+  for (int i = 0; i < 6; ++i) same &= dev.ll_layout[i] == key[i];
+  if (same) return 0;
+  for (int i = 0; i < 6; ++i) dev.ll_layout[i] = key[i];
+  return ++dev.ll_reset_gen;
+}
+
 int DeviceSms(int32_t device_ordinal) {
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_ordinal) != cudaSuccess) {
@@ -61,9 +73,11 @@ ffi::Error LlDispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommSt
     return Invalid(kOp, "recv_x must be [E_l, R*max_tokens, H], got " + Dims(rd));
   const ffi::DataType want = fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
   if (recv_x->element_type() != want) return Invalid(kOp, "recv_x must be bf16 (e4m3 with fp8)");
-  if (fp8 && recv_scales->element_count() != static_cast<size_t>(E_l * m_all * (H / 128)))
-    return Invalid(kOp, "recv_scales must be [E_l, R*max_tokens, H/128], got " +
-                            Dims(recv_scales->dimensions()));
+  if (fp8) {
+    const auto sd = recv_scales->dimensions();
+    if (sd.size() != 3 || sd[0] != E_l || sd[1] != m_all || sd[2] != H / 128)
+      return Invalid(kOp, "recv_scales must be [E_l, R*max_tokens, H/128], got " + Dims(sd));
+  }
   if (recv_count->element_count() != static_cast<size_t>(E_l)) return Invalid(kOp, "recv_count must be [E_l]");
   if (src_entry->element_count() != static_cast<size_t>(E_l * m_all))
     return Invalid(kOp, "src_entry must be [E_l, R*max_tokens]");
@@ -85,6 +99,7 @@ ffi::Error LlDispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommSt
   a.counters = lease.dev->counters;
   a.num_blocks = num_sms;
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kOp, msg);
+  a.reset_gen = LayoutReset(*lease.dev, max_tokens, H, a.topk, num_experts, reserved_bytes);
   if (cudaError_t err = LaunchLlDispatch(a, peers, DeviceSms(device_ordinal), stream);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_dispatch launch");
@@ -138,6 +153,7 @@ ffi::Error LlCombineExecute(cudaStream_t stream, int32_t device_ordinal, CommSta
   a.counters = lease.dev->counters;
   a.num_blocks = num_sms;
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kOp, msg);
+  a.reset_gen = LayoutReset(*lease.dev, max_tokens, a.hidden, a.topk, num_experts, reserved_bytes);
   if (cudaError_t err = LaunchLlCombine(a, peers, DeviceSms(device_ordinal), stream);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_combine launch");

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "barrier.cuh"
 #include "ep_copy.cuh"
 #include "fp8.cuh"
 #include "low_latency.cuh"
@@ -48,21 +49,66 @@ __device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uin
   }
 }
 
+__device__ __forceinline__ void StReleaseSys(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 // Every CTA calls this once its sends are issued: makes them visible, then
 // counts itself. CTA 0 then waits for all, so whatever it publishes next
-// (the count / flag words) is ordered after every CTA's rows.
-__device__ void AllSent(unsigned long long* sent) {
+// (the count / flag words, with release stores) is ordered after every
+// CTA's rows. The wait assumes every CTA is resident (grid <= SMs); if some
+// are kept off the GPU past the timeout it reports instead of hanging.
+__device__ void AllSent(const EpPeers& p, Op op, unsigned long long* sent) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     atomicAdd(sent, 1ull);
     if (blockIdx.x == 0) {
+      const unsigned long long t0 = globaltimer_ns();
       while (*reinterpret_cast<volatile unsigned long long*>(sent) < gridDim.x) {
+        if (globaltimer_ns() - t0 > p.timeout_ns) {
+          report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(p.rank));
+          break;
+        }
       }
       __threadfence_system();
     }
   }
   __syncthreads();
+}
+
+// The layout-change reset (LlDispatchArgs::reset_gen): CTA 0 does it, the
+// others wait for it before touching any window.
+__device__ void ResetIfAsked(const EpPeers& p, Op op, const LlLayout& L,
+                             unsigned long long* counters, unsigned long long gen) {
+  if (gen == 0) return;
+  volatile unsigned long long* done = counters + kLlResetCounter;
+  if (blockIdx.x == 0) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) s_ok = rank_barrier(p, op);
+    __syncthreads();
+    char* mine = p.base[p.rank];
+    const size_t counts = static_cast<size_t>(L.E_l) * L.R;
+    for (int b = 0; b < 2; ++b) {
+      uint64_t* c = reinterpret_cast<uint64_t*>(mine + L.DispCounts(b));
+      for (size_t i = threadIdx.x; i < counts; i += blockDim.x) c[i] = 0;
+      uint64_t* f = reinterpret_cast<uint64_t*>(mine + L.CombFlags(b));
+      for (int i = threadIdx.x; i < L.R; i += blockDim.x) f[i] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (s_ok) rank_barrier(p, op);  // rank_barrier fences before it signals
+      *done = gen;
+      __threadfence();
+    }
+    __syncthreads();
+  } else {
+    if (threadIdx.x == 0) {
+      while (*done != gen) {
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // The last CTA to finish resets the scratch counters and advances the
@@ -99,6 +145,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   unsigned long long* ctr = a.counters;
   const unsigned long long seq = ReadSeq(ctr + kLlDispatchSeqCounter);
   const int b = static_cast<int>(seq & 1ull);
+  ResetIfAsked(p, Op::kLowLatencyDispatch, L, ctr, a.reset_gen);
   for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
   __syncthreads();
 
@@ -208,14 +255,14 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 
   // 3. Counts, after every CTA's rows: (seq << 32 | rows) per (expert, this
   // rank) into the expert owner's window.
-  AllSent(ctr + kLlDispatchSentCounter);
+  AllSent(p, Op::kLowLatencyDispatch, ctr + kLlDispatchSentCounter);
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const int d = e / E_l, l = e - d * E_l;
       const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
       uint64_t* word = reinterpret_cast<uint64_t*>(p.base[d] + L.DispCounts(b)) +
                        static_cast<size_t>(l) * R + p.rank;
-      st_relaxed_sys(word, MakeTagged(seq, rows));
+      StReleaseSys(word, MakeTagged(seq, rows));
     }
   }
 
@@ -227,7 +274,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (threadIdx.x < R) {
       const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.DispCounts(b)) +
                              static_cast<size_t>(l) * R + threadIdx.x;
-      const int64_t n = WaitTagged(p, Op::kLowLatencyDispatch, word, seq, threadIdx.x);
+      int64_t n = WaitTagged(p, Op::kLowLatencyDispatch, word, seq, threadIdx.x);
+      if (n > M) {  // never written so: a corrupted word; read no more than the area holds
+        report_error(p, Op::kLowLatencyDispatch, Cause::kBadIndex);
+        n = M;
+      }
       s_off[threadIdx.x + 1] = n < 0 ? 0 : static_cast<int32_t>(n);
     }
     __syncthreads();
@@ -287,6 +338,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   unsigned long long* ctr = a.counters;
   const unsigned long long seq = ReadSeq(ctr + kLlCombineSeqCounter);
   const int b = static_cast<int>(seq & 1ull);
+  ResetIfAsked(p, Op::kLowLatencyCombine, L, ctr, a.reset_gen);
 
   // 1. Every valid expert-side row back to its token's (t, k) slot in the
   // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
@@ -319,10 +371,10 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   if (__any_sync(kFullMask, bad) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
 
   // 2. One flag per source rank, after every CTA's rows.
-  AllSent(ctr + kLlCombineSentCounter);
+  AllSent(p, Op::kLowLatencyCombine, ctr + kLlCombineSentCounter);
   if (blockIdx.x == 0 && threadIdx.x < R) {
     uint64_t* word = reinterpret_cast<uint64_t*>(p.base[threadIdx.x] + L.CombFlags(b)) + p.rank;
-    st_relaxed_sys(word, MakeTagged(seq, 1u));
+    StReleaseSys(word, MakeTagged(seq, 1u));
   }
 
   // 3. Reduce: wait for every expert owner, then each token's rows in

@@ -4,7 +4,8 @@
 // combine sums w * y per token in ascending (expert, k) order, in f32, with
 // explicitly rounded products and sums).
 //
-// One kernel per op, no barrier: senders store rows straight into the
+// One kernel per op, no barrier (but see `reset_gen` below): senders store
+// rows straight into the
 // owner's window area for (expert, source rank) and then a count word
 // carrying the call's sequence number; receivers wait for the words they
 // need and copy the valid rows out. Every area is double-buffered by the
@@ -30,6 +31,7 @@ constexpr int kLlDispatchSentCounter = 4;  // CTAs done sending (reset by the la
 constexpr int kLlCombineSentCounter = 5;
 constexpr int kLlDispatchDoneCounter = 6;  // CTAs done (the last bumps the sequence)
 constexpr int kLlCombineDoneCounter = 7;
+constexpr int kLlResetCounter = 8;         // the reset generation CTA 0 has completed
 
 constexpr size_t kLlAlign = 256;
 
@@ -93,6 +95,13 @@ struct LlDispatchArgs {
   int32_t* src_entry = nullptr;      // [E_l, R * M]: (s * T + t) * K + k, -1 past the count
   unsigned long long* counters = nullptr;  // the device's counters (comm.h)
   int num_blocks = 0;                // 0: every SM
+  // Non-zero when this call's layout differs from the previous low-latency
+  // call's on this communicator (the handler tracks it): the areas moved, so
+  // old bytes may sit where count words now are. CTA 0 then passes a
+  // barrier (every rank has finished its earlier calls), clears this rank's
+  // count / flag words of the new layout, and passes a second barrier (no
+  // peer writes them before they are clear) before anyone sends.
+  unsigned long long reset_gen = 0;
 };
 
 struct LlCombineArgs {
@@ -106,6 +115,7 @@ struct LlCombineArgs {
   void* out = nullptr;                  // [T, H] bf16
   unsigned long long* counters = nullptr;
   int num_blocks = 0;
+  unsigned long long reset_gen = 0;  // as LlDispatchArgs::reset_gen
 };
 
 // Window bytes (from the base) the low-latency ops need for a config: the

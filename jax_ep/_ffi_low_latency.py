@@ -5,6 +5,9 @@
     recv_count [E_l], src_entry [E_l, R*M]; rows past a count are not written.
   "jax_ep_ll_combine": (y [E_l, R*M, H] bf16, src_entry, recv_count,
     topk_idx, topk_weights) -> out [T, H] bf16.
+  "*_send" / "*_recv": each op in two calls for *_start / *_done; the send
+    returns an s32 [1] token (no data) that its receive takes, so XLA keeps
+    them in order and may place other work between.
 
 They run inside `shard_map` on one rank's shard; user-facing checks live in
 `jax_ep.ops.low_latency`. Window layout: ffi/kernels/low_latency.cuh, which
@@ -48,23 +51,60 @@ def kernels_take(x_dtype, hidden: int, fp8: bool, topk: int) -> bool:
           hidden % (128 if fp8 else 8) == 0)
 
 
+_TOKEN = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+
+def _common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms) -> dict:
+  return dict(comm_id=np.int64(comm_id), num_experts=np.int32(num_experts),
+              max_tokens=np.int32(max_tokens), reserved_bytes=np.int64(reserved_bytes),
+              num_sms=np.int32(num_sms))
+
+
+def _dispatch_results(h, *, num_experts, max_tokens, num_ranks, fp8):
+  e_l = num_experts // num_ranks
+  m_all = num_ranks * max_tokens
+  return (jax.ShapeDtypeStruct((e_l, m_all, h), jnp.float8_e4m3fn if fp8 else jnp.bfloat16),
+          jax.ShapeDtypeStruct((e_l, m_all, h // 128) if fp8 else (0,), jnp.float32),
+          jax.ShapeDtypeStruct((e_l,), jnp.int32), jax.ShapeDtypeStruct((e_l, m_all), jnp.int32))
+
+
+def _dispatch_outputs(out, fp8):
+  recv_x, recv_scales, recv_count, src_entry = out
+  return ((recv_x, recv_scales) if fp8 else recv_x), recv_count, src_entry
+
+
 def dispatch_cuda(x: Array, topk_idx: Array, *, num_experts: int, max_tokens: int,
                   num_ranks: int, comm_id: int, fp8: bool = False, ue8m0: bool = False,
                   reserved_bytes: int = 0, num_sms: int = 0):
   """(recv_x, recv_count, src_entry); recv_x is (e4m3, scales) with fp8."""
-  t, h = x.shape
-  e_l = num_experts // num_ranks
-  m_all = num_ranks * max_tokens
-  rx = jax.ShapeDtypeStruct((e_l, m_all, h), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
-  rs = jax.ShapeDtypeStruct((e_l, m_all, h // 128) if fp8 else (0,), jnp.float32)
-  out = _call("jax_ep_ll_dispatch", (rx, rs, jax.ShapeDtypeStruct((e_l,), jnp.int32),
-                                     jax.ShapeDtypeStruct((e_l, m_all), jnp.int32)),
-              vmap_method=None)(
-      x, topk_idx.astype(jnp.int32), comm_id=np.int64(comm_id),
-      num_experts=np.int32(num_experts), max_tokens=np.int32(max_tokens), fp8=np.int32(fp8),
-      ue8m0=np.int32(ue8m0), reserved_bytes=np.int64(reserved_bytes), num_sms=np.int32(num_sms))
-  recv_x, recv_scales, recv_count, src_entry = out
-  return ((recv_x, recv_scales) if fp8 else recv_x), recv_count, src_entry
+  res = _dispatch_results(x.shape[1], num_experts=num_experts, max_tokens=max_tokens,
+                          num_ranks=num_ranks, fp8=fp8)
+  out = _call("jax_ep_ll_dispatch", res, vmap_method=None)(
+      x, topk_idx.astype(jnp.int32), fp8=np.int32(fp8), ue8m0=np.int32(ue8m0),
+      **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
+  return _dispatch_outputs(out, fp8)
+
+
+def dispatch_send_cuda(x: Array, topk_idx: Array, *, num_experts: int, max_tokens: int,
+                       comm_id: int, fp8: bool = False, ue8m0: bool = False,
+                       reserved_bytes: int = 0, num_sms: int = 0) -> Array:
+  """The send half of dispatch_cuda; returns the token its receive takes."""
+  return _call("jax_ep_ll_dispatch_send", _TOKEN, vmap_method=None)(
+      x, topk_idx.astype(jnp.int32), fp8=np.int32(fp8), ue8m0=np.int32(ue8m0),
+      **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
+
+
+def dispatch_recv_cuda(token: Array, *, num_tokens: int, topk: int, hidden: int,
+                       num_experts: int, max_tokens: int, num_ranks: int, comm_id: int,
+                       fp8: bool = False, reserved_bytes: int = 0, num_sms: int = 0):
+  """The receive half: as dispatch_cuda's result."""
+  res = _dispatch_results(hidden, num_experts=num_experts, max_tokens=max_tokens,
+                          num_ranks=num_ranks, fp8=fp8)
+  out = _call("jax_ep_ll_dispatch_recv", res, vmap_method=None)(
+      token, fp8=np.int32(fp8), num_tokens=np.int32(num_tokens), topk=np.int32(topk),
+      hidden=np.int32(hidden), **_common(comm_id, num_experts, max_tokens, reserved_bytes,
+                                         num_sms))
+  return _dispatch_outputs(out, fp8)
 
 
 def combine_cuda(y: Array, src_entry: Array, recv_count: Array, topk_idx: Array,
@@ -75,6 +115,26 @@ def combine_cuda(y: Array, src_entry: Array, recv_count: Array, topk_idx: Array,
   return _call("jax_ep_ll_combine", jax.ShapeDtypeStruct((t, y.shape[-1]), jnp.bfloat16),
                vmap_method=None)(
       y, src_entry.astype(jnp.int32), recv_count.astype(jnp.int32), topk_idx.astype(jnp.int32),
-      topk_weights.astype(jnp.float32), comm_id=np.int64(comm_id),
-      num_experts=np.int32(num_experts), max_tokens=np.int32(max_tokens),
-      reserved_bytes=np.int64(reserved_bytes), num_sms=np.int32(num_sms))
+      topk_weights.astype(jnp.float32),
+      **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
+
+
+def combine_send_cuda(y: Array, src_entry: Array, recv_count: Array, topk_idx: Array, *,
+                      num_experts: int, max_tokens: int, comm_id: int, reserved_bytes: int = 0,
+                      num_sms: int = 0) -> Array:
+  """The send half of combine_cuda (rows back to their tokens); a token."""
+  return _call("jax_ep_ll_combine_send", _TOKEN, vmap_method=None)(
+      y, src_entry.astype(jnp.int32), recv_count.astype(jnp.int32), topk_idx.astype(jnp.int32),
+      **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
+
+
+def combine_recv_cuda(token: Array, topk_idx: Array, topk_weights: Array, *, hidden: int,
+                      num_experts: int, max_tokens: int, comm_id: int, reserved_bytes: int = 0,
+                      num_sms: int = 0) -> Array:
+  """The receive half: out [T, H] bf16."""
+  t = topk_idx.shape[0]
+  return _call("jax_ep_ll_combine_recv", jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16),
+               vmap_method=None)(
+      token, topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32),
+      hidden=np.int32(hidden), **_common(comm_id, num_experts, max_tokens, reserved_bytes,
+                                         num_sms))

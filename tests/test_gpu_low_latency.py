@@ -75,9 +75,10 @@ def test_low_latency_cuda_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, spl
     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"leaf {i}")
 
 
-def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1):
+def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1, split=False):
   """`calls` kernel dispatch -> combine rounds in one program, fresh inputs
-  each, against the reference; returns nothing, asserts bitwise."""
+  each, against the reference; returns nothing, asserts bitwise. split:
+  the send and receive halves as separate calls (*_start / *_done)."""
   from jax_ep.ops import low_latency as ll
   R = comm.num_ranks
   rng = np.random.default_rng(seed)
@@ -91,9 +92,14 @@ def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1):
   def per_rank(xs, idxs, ws, ys):
     outs = []
     for x, i, w, y in zip(xs, idxs, ws, ys):
-      o = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0,
-                             reserved_bytes=LL_RESERVED)
-      out = ll.kernel_combine(y, i, w, o.handle, reserved_bytes=LL_RESERVED)
+      kw = dict(num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0, reserved_bytes=LL_RESERVED)
+      if split:
+        o = ll.kernel_dispatch_done(ll.kernel_dispatch_start(x, i, **kw))
+        out = ll.kernel_combine_done(ll.kernel_combine_start(y, i, w, o.handle,
+                                                             reserved_bytes=LL_RESERVED))
+      else:
+        o = ll.kernel_dispatch(x, i, **kw)
+        out = ll.kernel_combine(y, i, w, o.handle, reserved_bytes=LL_RESERVED)
       r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0,
                                       backend="reference")
       want = jax_ep.low_latency_combine(y, i, w, r.handle, backend="reference")
@@ -165,3 +171,10 @@ def test_low_latency_kernels_survive_layout_changes(comm):
   takes the reset path (two barriers, count words cleared)."""
   for n, (T, H, K, E, mt) in enumerate([(16, 512, 4, 16, 16), (40, 1024, 8, 32, 48)] * 2):
     _kernel_round(comm, T, H, K, E, mt, n % 2 == 1, False, seed=990 + n, calls=2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_kernels_split_into_send_and_receive(comm, fp8):
+  """*_start / *_done as separate kernels: the same bits as the reference
+  (and so as the fused kernels), three rounds in one program."""
+  _kernel_round(comm, 128, 7168, 8, 256, 128, fp8, False, seed=1200 + fp8, calls=3, split=True)

@@ -35,7 +35,8 @@ def _export_text(f, *args) -> str:
               for t in ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all",
                         "jax_ep_engram_publish", "jax_ep_engram_fetch",
                         "jax_ep_engram_publish_fetch", "jax_ep_ll_dispatch",
-                        "jax_ep_ll_combine")]
+                        "jax_ep_ll_combine", "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
+                        "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
     return exp.mlir_module()
 
@@ -45,7 +46,7 @@ def _smap(f, mesh):
 
 
 def _custom_calls(text: str, target: str) -> list[str]:
-    return [line for line in text.splitlines() if f'@{target}' in line or f'"{target}"' in line]
+    return [line for line in text.splitlines() if f'@{target}(' in line or f'"{target}"' in line]
 
 
 def test_layout_lowers_to_custom_call_with_comm_id_and_config_attributes():
@@ -297,3 +298,49 @@ def test_low_latency_kernels_refuse_inputs_they_cannot_take(monkeypatch):
   with pytest.raises(ValueError, match="bf16"):
     jax.jit(f).lower(jax.ShapeDtypeStruct((8, 128), jnp.float32),
                      jax.ShapeDtypeStruct((8, 2), jnp.int32))
+
+
+LL_TARGETS = ("jax_ep_ll_dispatch", "jax_ep_ll_combine", "jax_ep_ll_dispatch_send",
+              "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_public_low_latency_ops_lower_to_the_kernels_once_validated(monkeypatch, split):
+  """With _KERNELS_VALIDATED on, backend="cuda" lowers the fused ops to one
+  kernel call each and *_start / *_done to a send and a receive call, the
+  receive taking the send's token."""
+  import jax_ep
+  from jax_ep.ops import _backend, low_latency as ll
+
+  class _Comm:
+    comm_id = COMM_ID
+
+  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
+  monkeypatch.setattr(ll, "_KERNELS_VALIDATED", True)
+  R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
+  mesh = _mesh(R)
+
+  def per_rank(x, idx, w):
+    kw = dict(num_experts=E, max_tokens=M, backend="cuda")
+    if split:
+      o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(x, idx, **kw))
+      return jax_ep.low_latency_combine_done(
+          jax_ep.low_latency_combine_start(o.recv_x, idx, w, o.handle, backend="cuda"))
+    o = jax_ep.low_latency_dispatch(x, idx, **kw)
+    return jax_ep.low_latency_combine(o.recv_x, idx, w, o.handle, backend="cuda")
+
+  text = _export_text(_smap(per_rank, mesh), jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((R * T, K), jnp.int32),
+                      jax.ShapeDtypeStruct((R * T, K), jnp.float32))
+  counts = {t: len(_custom_calls(text, t)) for t in LL_TARGETS}
+  if not split:
+    assert counts == {**{t: 0 for t in LL_TARGETS}, "jax_ep_ll_dispatch": 1,
+                      "jax_ep_ll_combine": 1}, counts
+    return
+  assert counts == {**{t: 1 for t in LL_TARGETS}, "jax_ep_ll_dispatch": 0,
+                    "jax_ep_ll_combine": 0}, counts
+  for op in ("dispatch", "combine"):
+    send = _custom_calls(text, f"jax_ep_ll_{op}_send")[0]
+    recv = _custom_calls(text, f"jax_ep_ll_{op}_recv")[0]
+    token = re.match(r"\s*(%\S+)", send).group(1)
+    assert token in recv.split("(", 1)[1], (send, recv)

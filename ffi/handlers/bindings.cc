@@ -32,7 +32,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvExecute);
 
 namespace jax_ep {
 
@@ -280,7 +284,11 @@ void RegisterCudaBindings(nb::module_& m) {
     d["jax_ep_engram_fetch"] = Bundle(JaxEpEngramFetchExecute);
     d["jax_ep_engram_publish_fetch"] = Bundle(JaxEpEngramPublishFetchExecute);
     d["jax_ep_ll_dispatch"] = Bundle(JaxEpLlDispatchExecute);
+    d["jax_ep_ll_dispatch_send"] = Bundle(JaxEpLlDispatchSendExecute);
+    d["jax_ep_ll_dispatch_recv"] = Bundle(JaxEpLlDispatchRecvExecute);
     d["jax_ep_ll_combine"] = Bundle(JaxEpLlCombineExecute);
+    d["jax_ep_ll_combine_send"] = Bundle(JaxEpLlCombineSendExecute);
+    d["jax_ep_ll_combine_recv"] = Bundle(JaxEpLlCombineRecvExecute);
     nb::dict stateless;  // needs no communicator: execute stage only
     stateless["execute"] = HandlerCapsule(JaxEpGroupedGemmExecute);
     d["jax_ep_grouped_gemm"] = stateless;

@@ -127,12 +127,18 @@ __device__ void Finish(unsigned long long* seq_ctr, unsigned long long* sent,
   }
 }
 
+// This call's sequence number: the counter + 1 in the sending kernel (its
+// last CTA stores it back), the counter itself in a receive-only kernel
+// (the send before it advanced it).
+template <LlPart kPart>
 __device__ __forceinline__ unsigned long long ReadSeq(const unsigned long long* ctr) {
-  return *reinterpret_cast<const volatile unsigned long long*>(ctr) + 1;
+  const unsigned long long v = *reinterpret_cast<const volatile unsigned long long*>(ctr);
+  return kPart == LlPart::kRecv ? v : v + 1;
 }
 
 // ---------------------------------------------------------------- dispatch
 
+template <LlPart kPart>
 __global__ void __launch_bounds__(kLlThreads, 1)
     LlDispatchKernel(const __grid_constant__ LlDispatchArgs a, const __grid_constant__ EpPeers p,
                      const __grid_constant__ LlLayout L) {
@@ -142,128 +148,135 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int T = a.num_tokens, K = a.topk, E = a.num_experts, R = p.nranks, M = a.max_tokens;
   const int E_l = E / R, TK = T * K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  unsigned long long* ctr = a.counters;
-  const unsigned long long seq = ReadSeq(ctr + kLlDispatchSeqCounter);
-  const int b = static_cast<int>(seq & 1ull);
-  ResetIfAsked(p, Op::kLowLatencyDispatch, L, ctr, a.reset_gen);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
-  __syncthreads();
-
-  // 1. Each entry's slot: its rank among this rank's entries for the same
-  // expert in (t, k) order. Warp 0 of every CTA walks the entries 32 at a
-  // time (a few hundred cycles; cheaper than a grid-wide exchange).
-  if (warp == 0) {
-    bool bad = false;
-    for (int base = 0; base < TK; base += 32) {
-      const int q = base + lane;
-      int32_t id = q < TK ? __ldg(a.topk_idx + q) : -1;
-      if (id < -1 || id >= E) {
-        bad = true;
-        id = -1;
-      }
-      const unsigned same = __match_any_sync(kFullMask, id);
-      const int before = __popc(same & ((1u << lane) - 1u));
-      const int slot = id >= 0 ? s_count[id] + before : -1;
-      __syncwarp();
-      if (id >= 0 && before == 0) s_count[id] += __popc(same);
-      __syncwarp();
-      if (q < TK) s_slot[q] = slot;
-    }
-    if (__any_sync(kFullMask, bad) && lane == 0 && blockIdx.x == 0) {
-      report_error(p, Op::kLowLatencyDispatch, Cause::kBadExpertId);
-    }
-  }
-  __syncthreads();
-
-  // 2. Rows to their owners: one warp per token, the row read once and
-  // stored into every destination slot (FP8: cast on the way).
   const int gw = blockIdx.x * kLlWarps + warp;
   const int nw = gridDim.x * kLlWarps;
   const int H = a.hidden;
   const int nvec = H / 8;  // 16-byte vectors of bf16
-  for (int t = gw; t < T; t += nw) {
-    char* lane_row = nullptr;
-    bool ok = false, overflow = false;
-    if (lane < K) {
-      const int q = t * K + lane;
-      const int32_t id = __ldg(a.topk_idx + q);
-      const int slot = s_slot[q];
-      if (id >= 0 && id < E && slot >= 0) {
-        if (slot < M) {
-          const int d = id / E_l, l = id - d * E_l;
-          const size_t cell = (static_cast<size_t>(l) * R + p.rank) * M + slot;
-          lane_row = p.base[d] + L.DispRows(b) + cell * L.row_bytes;
-          *reinterpret_cast<int32_t*>(p.base[d] + L.DispMeta(b) + cell * 4) = q;
-          ok = true;
-        } else {
-          overflow = true;
+  unsigned long long* ctr = a.counters;
+  const unsigned long long seq = ReadSeq<kPart>(ctr + kLlDispatchSeqCounter);
+  const int b = static_cast<int>(seq & 1ull);
+  if constexpr (kPart != LlPart::kRecv) {
+    ResetIfAsked(p, Op::kLowLatencyDispatch, L, ctr, a.reset_gen);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
+    __syncthreads();
+
+    // 1. Each entry's slot: its rank among this rank's entries for the same
+    // expert in (t, k) order. Warp 0 of every CTA walks the entries 32 at a
+    // time (a few hundred cycles; cheaper than a grid-wide exchange).
+    if (warp == 0) {
+      bool bad = false;
+      for (int base = 0; base < TK; base += 32) {
+        const int q = base + lane;
+        int32_t id = q < TK ? __ldg(a.topk_idx + q) : -1;
+        if (id < -1 || id >= E) {
+          bad = true;
+          id = -1;
+        }
+        const unsigned same = __match_any_sync(kFullMask, id);
+        const int before = __popc(same & ((1u << lane) - 1u));
+        const int slot = id >= 0 ? s_count[id] + before : -1;
+        __syncwarp();
+        if (id >= 0 && before == 0) s_count[id] += __popc(same);
+        __syncwarp();
+        if (q < TK) s_slot[q] = slot;
+      }
+      if (__any_sync(kFullMask, bad) && lane == 0 && blockIdx.x == 0) {
+        report_error(p, Op::kLowLatencyDispatch, Cause::kBadExpertId);
+      }
+    }
+    __syncthreads();
+
+    // 2. Rows to their owners: one warp per token, the row read once and
+    // stored into every destination slot (FP8: cast on the way).
+    for (int t = gw; t < T; t += nw) {
+      char* lane_row = nullptr;
+      bool ok = false, overflow = false;
+      if (lane < K) {
+        const int q = t * K + lane;
+        const int32_t id = __ldg(a.topk_idx + q);
+        const int slot = s_slot[q];
+        if (id >= 0 && id < E && slot >= 0) {
+          if (slot < M) {
+            const int d = id / E_l, l = id - d * E_l;
+            const size_t cell = (static_cast<size_t>(l) * R + p.rank) * M + slot;
+            lane_row = p.base[d] + L.DispRows(b) + cell * L.row_bytes;
+            *reinterpret_cast<int32_t*>(p.base[d] + L.DispMeta(b) + cell * 4) = q;
+            ok = true;
+          } else {
+            overflow = true;
+          }
         }
       }
-    }
-    if (__any_sync(kFullMask, overflow) && lane == 0) {
-      report_error(p, Op::kLowLatencyDispatch, Cause::kCapacityOverflow);
-    }
-    const unsigned dst_mask = __ballot_sync(kFullMask, ok);
-    const uint4* xv = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) +
-                                                     static_cast<size_t>(t) * H * 2);
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        v[u] = idx < nvec ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
+      if (__any_sync(kFullMask, overflow) && lane == 0) {
+        report_error(p, Op::kLowLatencyDispatch, Cause::kCapacityOverflow);
       }
-      if (!a.fp8) {
-        for (unsigned m = dst_mask; m; m &= m - 1)
-          StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_row, __ffs(m) - 1)), base, nvec, lane, v);
-      } else {
-        // 8 channels per lane, 16 lanes per 128-channel block (H % 128 == 0).
-        uint2 qv[kUnroll];
-        float s[kUnroll];
-#pragma unroll
+      const unsigned dst_mask = __ballot_sync(kFullMask, ok);
+      const uint4* xv = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) +
+                                                       static_cast<size_t>(t) * H * 2);
+      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+  #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          float f[8];
-          Vec16<__nv_bfloat16>::ToFloat(v[u], f);
-          float amax = 0.f;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-          for (int off = 8; off >= 1; off >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-          s[u] = Fp8Scale(amax, a.ue8m0);
-          const float inv = __fdiv_rn(1.0f, s[u]);
-          uint8_t q8[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) q8[i] = Fp8Quantize(f[i], inv);
-          memcpy(&qv[u], q8, sizeof(uint2));
+          const int idx = base + u * 32 + lane;
+          v[u] = idx < nvec ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
         }
-        for (unsigned m = dst_mask; m; m &= m - 1) {
-          char* row = ShflPtr(lane_row, __ffs(m) - 1);
-          float* srow = reinterpret_cast<float*>(row + H);
-#pragma unroll
+        if (!a.fp8) {
+          for (unsigned m = dst_mask; m; m &= m - 1)
+            StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_row, __ffs(m) - 1)), base, nvec, lane, v);
+        } else {
+          // 8 channels per lane, 16 lanes per 128-channel block (H % 128 == 0).
+          uint2 qv[kUnroll];
+          float s[kUnroll];
+  #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
-            const int idx = base + u * 32 + lane;
-            if (idx < nvec) {
-              reinterpret_cast<uint2*>(row)[idx] = qv[u];
-              if (lane % 16 == 0) srow[idx / 16] = s[u];
+            float f[8];
+            Vec16<__nv_bfloat16>::ToFloat(v[u], f);
+            float amax = 0.f;
+  #pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+  #pragma unroll
+            for (int off = 8; off >= 1; off >>= 1)
+              amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+            s[u] = Fp8Scale(amax, a.ue8m0);
+            const float inv = __fdiv_rn(1.0f, s[u]);
+            uint8_t q8[8];
+  #pragma unroll
+            for (int i = 0; i < 8; ++i) q8[i] = Fp8Quantize(f[i], inv);
+            memcpy(&qv[u], q8, sizeof(uint2));
+          }
+          for (unsigned m = dst_mask; m; m &= m - 1) {
+            char* row = ShflPtr(lane_row, __ffs(m) - 1);
+            float* srow = reinterpret_cast<float*>(row + H);
+  #pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int idx = base + u * 32 + lane;
+              if (idx < nvec) {
+                reinterpret_cast<uint2*>(row)[idx] = qv[u];
+                if (lane % 16 == 0) srow[idx / 16] = s[u];
+              }
             }
           }
         }
       }
     }
-  }
 
-  // 3. Counts, after every CTA's rows: (seq << 32 | rows) per (expert, this
-  // rank) into the expert owner's window.
-  AllSent(p, Op::kLowLatencyDispatch, ctr + kLlDispatchSentCounter);
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-      const int d = e / E_l, l = e - d * E_l;
-      const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
-      uint64_t* word = reinterpret_cast<uint64_t*>(p.base[d] + L.DispCounts(b)) +
-                       static_cast<size_t>(l) * R + p.rank;
-      StReleaseSys(word, MakeTagged(seq, rows));
+    // 3. Counts, after every CTA's rows: (seq << 32 | rows) per (expert, this
+    // rank) into the expert owner's window.
+    AllSent(p, Op::kLowLatencyDispatch, ctr + kLlDispatchSentCounter);
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int d = e / E_l, l = e - d * E_l;
+        const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
+        uint64_t* word = reinterpret_cast<uint64_t*>(p.base[d] + L.DispCounts(b)) +
+                         static_cast<size_t>(l) * R + p.rank;
+        StReleaseSys(word, MakeTagged(seq, rows));
+      }
     }
+  }
+  if constexpr (kPart == LlPart::kSend) {
+    Finish(ctr + kLlDispatchSeqCounter, ctr + kLlDispatchSentCounter, ctr + kLlDispatchDoneCounter,
+           seq);
+    return;
   }
 
   // 4. Receive: one CTA per local expert at a time. Wait for every source's
@@ -323,58 +336,68 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncthreads();
   }
-  Finish(ctr + kLlDispatchSeqCounter, ctr + kLlDispatchSentCounter, ctr + kLlDispatchDoneCounter,
-         seq);
+  if constexpr (kPart == LlPart::kFused) {
+    Finish(ctr + kLlDispatchSeqCounter, ctr + kLlDispatchSentCounter, ctr + kLlDispatchDoneCounter,
+           seq);
+  }
 }
 
 // ---------------------------------------------------------------- combine
 
+template <LlPart kPart>
 __global__ void __launch_bounds__(kLlThreads, 1)
     LlCombineKernel(const __grid_constant__ LlCombineArgs a, const __grid_constant__ EpPeers p,
                     const __grid_constant__ LlLayout L) {
   const int T = a.num_tokens, K = a.topk, E = a.num_experts, R = p.nranks, M = a.max_tokens;
   const int E_l = E / R, TK = T * K, m_all = R * M, H = a.hidden, nvec = H / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  unsigned long long* ctr = a.counters;
-  const unsigned long long seq = ReadSeq(ctr + kLlCombineSeqCounter);
-  const int b = static_cast<int>(seq & 1ull);
-  ResetIfAsked(p, Op::kLowLatencyCombine, L, ctr, a.reset_gen);
-
-  // 1. Every valid expert-side row back to its token's (t, k) slot in the
-  // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
-  // the few rows of each expert (decode: ~8) spread over the grid.
   const int gw = blockIdx.x * kLlWarps + warp;
   const int nw = gridDim.x * kLlWarps;
-  bool bad = false;
-  for (int task = gw; task < E_l * m_all; task += nw) {
-    const int l = task % E_l, i = task / E_l;
-    if (i >= __ldg(a.recv_count + l)) continue;
-    const int32_t entry = __ldg(a.src_entry + static_cast<size_t>(l) * m_all + i);
-    if (entry < 0 || entry >= R * TK) {
-      bad = true;
-      continue;
-    }
-    const int s = entry / TK, q = entry - s * TK;
-    uint4* dst = reinterpret_cast<uint4*>(p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes);
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.y) +
-                                                      (static_cast<size_t>(l) * m_all + i) * H * 2);
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * 32 + lane;
-        v[u] = idx < nvec ? LdNcNa(src + idx) : make_uint4(0, 0, 0, 0);
+  unsigned long long* ctr = a.counters;
+  const unsigned long long seq = ReadSeq<kPart>(ctr + kLlCombineSeqCounter);
+  const int b = static_cast<int>(seq & 1ull);
+  if constexpr (kPart != LlPart::kRecv) {
+    ResetIfAsked(p, Op::kLowLatencyCombine, L, ctr, a.reset_gen);
+
+    // 1. Every valid expert-side row back to its token's (t, k) slot in the
+    // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
+    // the few rows of each expert (decode: ~8) spread over the grid.
+    bool bad = false;
+    for (int task = gw; task < E_l * m_all; task += nw) {
+      const int l = task % E_l, i = task / E_l;
+      if (i >= __ldg(a.recv_count + l)) continue;
+      const int32_t entry = __ldg(a.src_entry + static_cast<size_t>(l) * m_all + i);
+      if (entry < 0 || entry >= R * TK) {
+        bad = true;
+        continue;
       }
-      StoreChunk(dst, base, nvec, lane, v);
+      const int s = entry / TK, q = entry - s * TK;
+      uint4* dst = reinterpret_cast<uint4*>(p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes);
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.y) +
+                                                        (static_cast<size_t>(l) * m_all + i) * H * 2);
+      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+  #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          v[u] = idx < nvec ? LdNcNa(src + idx) : make_uint4(0, 0, 0, 0);
+        }
+        StoreChunk(dst, base, nvec, lane, v);
+      }
+    }
+    if (__any_sync(kFullMask, bad) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
+
+    // 2. One flag per source rank, after every CTA's rows.
+    AllSent(p, Op::kLowLatencyCombine, ctr + kLlCombineSentCounter);
+    if (blockIdx.x == 0 && threadIdx.x < R) {
+      uint64_t* word = reinterpret_cast<uint64_t*>(p.base[threadIdx.x] + L.CombFlags(b)) + p.rank;
+      StReleaseSys(word, MakeTagged(seq, 1u));
     }
   }
-  if (__any_sync(kFullMask, bad) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
-
-  // 2. One flag per source rank, after every CTA's rows.
-  AllSent(p, Op::kLowLatencyCombine, ctr + kLlCombineSentCounter);
-  if (blockIdx.x == 0 && threadIdx.x < R) {
-    uint64_t* word = reinterpret_cast<uint64_t*>(p.base[threadIdx.x] + L.CombFlags(b)) + p.rank;
-    StReleaseSys(word, MakeTagged(seq, 1u));
+  if constexpr (kPart == LlPart::kSend) {
+    Finish(ctr + kLlCombineSeqCounter, ctr + kLlCombineSentCounter, ctr + kLlCombineDoneCounter,
+           seq);
+    return;
   }
 
   // 3. Reduce: wait for every expert owner, then each token's rows in
@@ -425,8 +448,10 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncwarp();
   }
-  Finish(ctr + kLlCombineSeqCounter, ctr + kLlCombineSentCounter, ctr + kLlCombineDoneCounter,
-         seq);
+  if constexpr (kPart == LlPart::kFused) {
+    Finish(ctr + kLlCombineSeqCounter, ctr + kLlCombineSentCounter, ctr + kLlCombineDoneCounter,
+           seq);
+  }
 }
 
 int Blocks(int requested, int device_sms, int work) {
@@ -478,29 +503,37 @@ std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
 }
 
 cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int device_sms,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, LlPart part) {
   const int R = p.nranks;
   const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
                    std::max(a.reserved_bytes, kWindowHeaderBytes));
-  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
-                                         static_cast<size_t>(a.num_tokens) * a.topk);
+  const size_t smem = part == LlPart::kRecv
+                          ? 0
+                          : sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
+                                               static_cast<size_t>(a.num_tokens) * a.topk);
+  auto kernel = part == LlPart::kFused  ? LlDispatchKernel<LlPart::kFused>
+                : part == LlPart::kSend ? LlDispatchKernel<LlPart::kSend>
+                                        : LlDispatchKernel<LlPart::kRecv>;
   if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(LlDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
   const int work = std::max((a.num_tokens + kLlWarps - 1) / kLlWarps, a.num_experts / R);
-  LlDispatchKernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, smem, stream>>>(a, p, L);
+  kernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, smem, stream>>>(a, p, L);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchLlCombine(const LlCombineArgs& a, const EpPeers& p, int device_sms,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, LlPart part) {
   const int R = p.nranks;
   const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
                    std::max(a.reserved_bytes, kWindowHeaderBytes));
   const int work = std::max(a.num_experts / R, (a.num_tokens + kLlWarps - 1) / kLlWarps);
-  LlCombineKernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, 0, stream>>>(a, p, L);
+  auto kernel = part == LlPart::kFused  ? LlCombineKernel<LlPart::kFused>
+                : part == LlPart::kSend ? LlCombineKernel<LlPart::kSend>
+                                        : LlCombineKernel<LlPart::kRecv>;
+  kernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, 0, stream>>>(a, p, L);
   return cudaGetLastError();
 }
 

@@ -126,12 +126,22 @@ size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes);
 std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p);
 std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p);
 
-// Enqueue the op (one kernel). Device-side problems (expert id outside
-// [-1, E), more than M rows from one source for one expert, a peer that
-// never arrives) go to the status word.
+// Which part of an op one kernel runs: all of it, or the send (rows and
+// count/flag words out; advances the sequence number) and the receive
+// (waits and copies / reduces) as two kernels that XLA may separate with
+// other work (*_start / *_done). The receive of a split op reads the
+// sequence number its send left, so the two must come in that order, with
+// at most two sends of one op in flight before their receives.
+enum class LlPart : int { kFused = 0, kSend = 1, kRecv = 2 };
+
+// Enqueue the op or one part of it (one kernel). Device-side problems
+// (expert id outside [-1, E), more than M rows from one source for one
+// expert, a peer that never arrives) go to the status word. A receive-only
+// dispatch reads no x / topk_idx, a send-only one writes no outputs; a
+// send-only combine reads no weights, a receive-only one no y.
 cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int device_sms,
-                             cudaStream_t stream);
+                             cudaStream_t stream, LlPart part = LlPart::kFused);
 cudaError_t LaunchLlCombine(const LlCombineArgs& a, const EpPeers& p, int device_sms,
-                            cudaStream_t stream);
+                            cudaStream_t stream, LlPart part = LlPart::kFused);
 
 }  // namespace jax_ep

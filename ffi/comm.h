@@ -115,10 +115,9 @@ struct DeviceResources {
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
   CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
-  // The layout of the last low-latency call and the reset generation
-  // (LlDispatchArgs::reset_gen), kept by the low-latency handlers.
+  // The layout of the last low-latency call (LlDispatchArgs::reset), kept
+  // by the low-latency handlers.
   int64_t ll_layout[6] = {};
-  unsigned long long ll_reset_gen = 0;
   // Engram publications live in this device's window (engram_versions.h).
   std::shared_ptr<EngramVersions> engram_versions = std::make_shared<EngramVersions>();
 

@@ -21,6 +21,25 @@ TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch
            "jax_ep_ll_combine_recv")
 
 
+COMMAND_BUFFER_TARGETS = frozenset({
+    "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
+    "jax_ep_ll_combine", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv"})
+
+
+def _traits(target: str) -> dict:
+  """The low-latency kernels launch the same work on every call (their state
+  is on the device: docs/low_latency.md), so XLA may capture them into
+  command buffers (CUDA graphs) for decode loops. {} where this jaxlib has
+  no such trait."""
+  if target not in COMMAND_BUFFER_TARGETS:
+    return {}
+  try:
+    from jax._src.lib import xla_client
+    return {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
+  except (ImportError, AttributeError):
+    return {}
+
+
 @functools.lru_cache(maxsize=None)
 def _module() -> Any | None:
   try:
@@ -102,7 +121,8 @@ def ensure_registered() -> None:
     name, type_registration = m.state_type()
     jax.ffi.register_ffi_type(name, type_registration, platform="CUDA")
     for target, bundle in m.registrations().items():
-      jax.ffi.register_ffi_target(target, bundle, platform="CUDA", api_version=1)
+      jax.ffi.register_ffi_target(target, bundle, platform="CUDA", api_version=1,
+                                  **_traits(target))
     _registered = True
 
 

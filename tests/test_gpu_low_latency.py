@@ -178,3 +178,29 @@ def test_low_latency_kernels_split_into_send_and_receive(comm, fp8):
   """*_start / *_done as separate kernels: the same bits as the reference
   (and so as the fused kernels), three rounds in one program."""
   _kernel_round(comm, 128, 7168, 8, 256, 128, fp8, False, seed=1200 + fp8, calls=3, split=True)
+
+
+@pytest.mark.parametrize("cmdbuf", [False, True], ids=["plain", "command_buffers"])
+def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(comm, cmdbuf):
+  """A jitted fori_loop of kernel dispatch -> combine (8 steps) in a fresh
+  process, with XLA's command buffers on for custom calls or off: bitwise
+  the reference loop; prints the time per step of each."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ)
+  flags = env.get("XLA_FLAGS", "")
+  if cmdbuf:
+    flags += " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
+    flags += " --xla_gpu_graph_min_graph_size=1"
+  else:
+    flags += " --xla_gpu_enable_command_buffer="
+  env["XLA_FLAGS"] = flags.strip()
+  env["JAX_EP_TEST_GPUS"] = str(comm.num_ranks)
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ll_cmdbuf_worker.py")
+  # The module's communicator holds these GPUs' windows; the worker makes its own.
+  r = subprocess.run([sys.executable, worker], env=env, capture_output=True, text=True, timeout=300)
+  line = [l for l in r.stdout.splitlines() if l.startswith("LL_CMDBUF")]
+  assert r.returncode == 0 and line, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+  print(line[0], "(command buffers)" if cmdbuf else "(plain)")
+  assert "equal=True" in line[0], line[0]

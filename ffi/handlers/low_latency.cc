@@ -32,17 +32,17 @@ namespace {
 constexpr const char* kDispatchOp = "low_latency_dispatch";
 constexpr const char* kCombineOp = "low_latency_combine";
 
-// A non-zero reset generation when this call's window layout differs from
-// the previous low-latency call's on this device (LlDispatchArgs::reset_gen).
-// Only sending kernels take it: a receive reads the layout its send used.
-unsigned long long LayoutReset(DeviceResources& dev, int64_t m, int64_t h, int64_t k, int64_t e,
-                               int64_t reserved) {
+// Whether this call's window layout differs from the previous low-latency
+// call's on this device (LlDispatchArgs::reset). Only sending kernels take
+// it: a receive reads the layout its send used.
+bool LayoutReset(DeviceResources& dev, int64_t m, int64_t h, int64_t k, int64_t e,
+                 int64_t reserved) {
   const int64_t key[6] = {1, m, h, k, e, reserved};
   bool same = true;
   for (int i = 0; i < 6; ++i) same &= dev.ll_layout[i] == key[i];
-  if (same) return 0;
+  if (same) return false;
   for (int i = 0; i < 6; ++i) dev.ll_layout[i] = key[i];
-  return ++dev.ll_reset_gen;
+  return true;
 }
 
 int DeviceSms(int32_t device_ordinal) {
@@ -100,7 +100,7 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kDispatchOp, msg);
   if (part != LlPart::kRecv) {
-    a.reset_gen = LayoutReset(*lease.dev, a.max_tokens, a.hidden, a.topk, a.num_experts,
+    a.reset = LayoutReset(*lease.dev, a.max_tokens, a.hidden, a.topk, a.num_experts,
                               static_cast<int64_t>(a.reserved_bytes));
   }
   if (cudaError_t err = LaunchLlDispatch(a, peers, DeviceSms(device_ordinal), stream, part);
@@ -216,7 +216,7 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kCombineOp, msg);
   if (part != LlPart::kRecv) {
-    a.reset_gen = LayoutReset(*lease.dev, a.max_tokens, a.hidden, a.topk, a.num_experts,
+    a.reset = LayoutReset(*lease.dev, a.max_tokens, a.hidden, a.topk, a.num_experts,
                               static_cast<int64_t>(a.reserved_bytes));
   }
   if (cudaError_t err = LaunchLlCombine(a, peers, DeviceSms(device_ordinal), stream, part);

@@ -77,11 +77,11 @@ __device__ void AllSent(const EpPeers& p, Op op, unsigned long long* sent) {
   __syncthreads();
 }
 
-// The layout-change reset (LlDispatchArgs::reset_gen): CTA 0 does it, the
-// others wait for it before touching any window.
+// The layout-change reset (LlDispatchArgs::reset): CTA 0 does it, the
+// others wait for it before touching any window; Finish clears the flag.
 __device__ void ResetIfAsked(const EpPeers& p, Op op, const LlLayout& L,
-                             unsigned long long* counters, unsigned long long gen) {
-  if (gen == 0) return;
+                             unsigned long long* counters, bool reset) {
+  if (!reset) return;
   volatile unsigned long long* done = counters + kLlResetCounter;
   if (blockIdx.x == 0) {
     __shared__ int s_ok;
@@ -98,13 +98,13 @@ __device__ void ResetIfAsked(const EpPeers& p, Op op, const LlLayout& L,
     __syncthreads();
     if (threadIdx.x == 0) {
       if (s_ok) rank_barrier(p, op);  // rank_barrier fences before it signals
-      *done = gen;
+      *done = 1;
       __threadfence();
     }
     __syncthreads();
   } else {
     if (threadIdx.x == 0) {
-      while (*done != gen) {
+      while (*done == 0) {
       }
     }
     __syncthreads();
@@ -113,15 +113,16 @@ __device__ void ResetIfAsked(const EpPeers& p, Op op, const LlLayout& L,
 
 // The last CTA to finish resets the scratch counters and advances the
 // sequence number for the next call.
-__device__ void Finish(unsigned long long* seq_ctr, unsigned long long* sent,
-                       unsigned long long* done, unsigned long long seq) {
+__device__ void Finish(unsigned long long* ctr, int seq_slot, int sent_slot, int done_slot,
+                       unsigned long long seq) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(done, 1ull) == gridDim.x - 1) {
-      *sent = 0;
-      *done = 0;
-      *seq_ctr = seq;
+    if (atomicAdd(ctr + done_slot, 1ull) == gridDim.x - 1) {
+      ctr[sent_slot] = 0;
+      ctr[done_slot] = 0;
+      ctr[kLlResetCounter] = 0;
+      ctr[seq_slot] = seq;
       __threadfence();
     }
   }
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const unsigned long long seq = ReadSeq<kPart>(ctr + kLlDispatchSeqCounter);
   const int b = static_cast<int>(seq & 1ull);
   if constexpr (kPart != LlPart::kRecv) {
-    ResetIfAsked(p, Op::kLowLatencyDispatch, L, ctr, a.reset_gen);
+    ResetIfAsked(p, Op::kLowLatencyDispatch, L, ctr, a.reset);
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
     __syncthreads();
 
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
   }
   if constexpr (kPart == LlPart::kSend) {
-    Finish(ctr + kLlDispatchSeqCounter, ctr + kLlDispatchSentCounter, ctr + kLlDispatchDoneCounter,
+    Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter,
            seq);
     return;
   }
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     __syncthreads();
   }
   if constexpr (kPart == LlPart::kFused) {
-    Finish(ctr + kLlDispatchSeqCounter, ctr + kLlDispatchSentCounter, ctr + kLlDispatchDoneCounter,
+    Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter,
            seq);
   }
 }
@@ -357,7 +358,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const unsigned long long seq = ReadSeq<kPart>(ctr + kLlCombineSeqCounter);
   const int b = static_cast<int>(seq & 1ull);
   if constexpr (kPart != LlPart::kRecv) {
-    ResetIfAsked(p, Op::kLowLatencyCombine, L, ctr, a.reset_gen);
+    ResetIfAsked(p, Op::kLowLatencyCombine, L, ctr, a.reset);
 
     // 1. Every valid expert-side row back to its token's (t, k) slot in the
     // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
   }
   if constexpr (kPart == LlPart::kSend) {
-    Finish(ctr + kLlCombineSeqCounter, ctr + kLlCombineSentCounter, ctr + kLlCombineDoneCounter,
+    Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter,
            seq);
     return;
   }
@@ -449,7 +450,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     __syncwarp();
   }
   if constexpr (kPart == LlPart::kFused) {
-    Finish(ctr + kLlCombineSeqCounter, ctr + kLlCombineSentCounter, ctr + kLlCombineDoneCounter,
+    Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter,
            seq);
   }
 }

@@ -4,7 +4,7 @@
 // combine sums w * y per token in ascending (expert, k) order, in f32, with
 // explicitly rounded products and sums).
 //
-// One kernel per op, no barrier (but see `reset_gen` below): senders store
+// One kernel per op, no barrier (but see `reset` below): senders store
 // rows straight into the
 // owner's window area for (expert, source rank) and then a count word
 // carrying the call's sequence number; receivers wait for the words they
@@ -31,7 +31,7 @@ constexpr int kLlDispatchSentCounter = 4;  // CTAs done sending (reset by the la
 constexpr int kLlCombineSentCounter = 5;
 constexpr int kLlDispatchDoneCounter = 6;  // CTAs done (the last bumps the sequence)
 constexpr int kLlCombineDoneCounter = 7;
-constexpr int kLlResetCounter = 8;         // the reset generation CTA 0 has completed
+constexpr int kLlResetCounter = 8;         // 1 while CTA 0's layout reset is done (this kernel)
 
 constexpr size_t kLlAlign = 256;
 
@@ -100,8 +100,11 @@ struct LlDispatchArgs {
   // old bytes may sit where count words now are. CTA 0 then passes a
   // barrier (every rank has finished its earlier calls), clears this rank's
   // count / flag words of the new layout, and passes a second barrier (no
-  // peer writes them before they are clear) before anyone sends.
-  unsigned long long reset_gen = 0;
+  // peer writes them before they are clear) before anyone sends. The other
+  // CTAs wait on a device flag that the kernel's last CTA clears again, so a
+  // CUDA graph that captured a resetting call replays correctly (it resets
+  // on every replay).
+  bool reset = false;
 };
 
 struct LlCombineArgs {
@@ -115,7 +118,7 @@ struct LlCombineArgs {
   void* out = nullptr;                  // [T, H] bf16
   unsigned long long* counters = nullptr;
   int num_blocks = 0;
-  unsigned long long reset_gen = 0;  // as LlDispatchArgs::reset_gen
+  bool reset = false;  // as LlDispatchArgs::reset
 };
 
 // Window bytes (from the base) the low-latency ops need for a config: the

@@ -8,7 +8,9 @@ table (no -1: never time zeros). Measured in the same process run:
                   i.e. what one call of the public op costs
   jax_ep_fetch    the fetch kernel alone, on a table published once before
                   timing (the inference case: publish once, fetch many times)
-  jax_ep_publish  the publish alone
+  jax_ep_publish  the publish alone (its local copy is a cudaMemcpyAsync)
+  d2d_memcpy      (bench = engram_publish) a device-to-device cudaMemcpyAsync
+                  of the shard's bytes: the publish's bar is 0.8 x its rate
   reference       engram_fetch(backend="reference"): request/response
                   lax.all_to_all of ids and rows (the JAX-native baseline)
   copy_engine     bidirectional 256 MB cudaMemcpyPeerAsync (cupy), the ceiling
@@ -89,7 +91,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
-  from jax_ep import _ffi_engram
+  from jax_ep import _ffi_engram, _native
   from bench_normal import time_or_none
 
   devices = jax.devices()[:shape.ranks]
@@ -148,6 +150,18 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
             (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None)
       bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
             (tab,), row_bytes, None)
+      # The publish's bar: a device-to-device cudaMemcpyAsync of the shard's
+      # bytes on one of the GPUs, measured in this run.
+      shard_bytes = shape.rows_per_rank * row_bytes
+      us = _native.module().time_d2d_memcpy(mesh.devices.flat[0].local_hardware_id, shard_bytes)
+      pub_t = next((r["time_us"] for r in reversed(results)
+                    if r["impl"] == "jax_ep_publish" and r["dtype"] == dtype), None)
+      results.append(dict(bench="engram_publish", impl="d2d_memcpy", dtype=dtype,
+                          bytes=shard_bytes, time_us=us,
+                          publish_us=pub_t, publish_ratio_to_memcpy=None if not pub_t else us / pub_t))
+      print(f"  engram_publish d2d cudaMemcpyAsync {dtype:5s} {us:10.1f} us; publish "
+            f"{pub_t if pub_t is None else round(pub_t, 1)} us "
+            f"(x{(us / pub_t) if pub_t else float('nan'):.2f} of the memcpy rate)", flush=True)
       comm.check()
   finally:
     comm.close()

@@ -17,6 +17,7 @@
 #include "handlers/state.h"
 #include "kernels/gin.cuh"
 #include "kernels/grouped_gemm.h"
+#include <algorithm>
 #include "kernels/low_latency.cuh"
 #include "kernels/window_layout.h"
 
@@ -256,6 +257,47 @@ void RegisterCudaBindings(nb::module_& m) {
       nb::arg("comm_id"),
       "Reads and clears the device status words; '' when no kernel reported an error. "
       "Only reports what finished kernels wrote: synchronise first.");
+
+  m.def(
+      "time_d2d_memcpy",
+      [](int device_ordinal, size_t bytes, int iters) {
+        // The baseline engram_publish is held to: a device-to-device
+        // cudaMemcpyAsync of the same bytes, median of `iters` (CUDA events).
+        int prev = 0;
+        cudaGetDevice(&prev);
+        auto check = [&](cudaError_t e) {
+          if (e != cudaSuccess) {
+            cudaSetDevice(prev);
+            throw std::runtime_error(cudaGetErrorString(e));
+          }
+        };
+        check(cudaSetDevice(device_ordinal));
+        void *src = nullptr, *dst = nullptr;
+        check(cudaMalloc(&src, bytes));
+        check(cudaMalloc(&dst, bytes));
+        cudaEvent_t e0, e1;
+        check(cudaEventCreate(&e0));
+        check(cudaEventCreate(&e1));
+        std::vector<float> ms;
+        for (int i = 0; i < iters + 2; ++i) {
+          check(cudaEventRecord(e0));
+          check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice));
+          check(cudaEventRecord(e1));
+          check(cudaEventSynchronize(e1));
+          float t = 0;
+          check(cudaEventElapsedTime(&t, e0, e1));
+          if (i >= 2) ms.push_back(t);  // two warm-up copies
+        }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cudaFree(src);
+        cudaFree(dst);
+        cudaSetDevice(prev);
+        std::sort(ms.begin(), ms.end());
+        return ms.empty() ? 0.0 : 1e3 * ms[ms.size() / 2];
+      },
+      nb::arg("device_ordinal"), nb::arg("bytes"), nb::arg("iters") = 20,
+      "Median microseconds of one device-to-device cudaMemcpyAsync of `bytes`.");
 
   m.def("nccl_version", [] { return jax_ep::NcclVersions(); },
         "(NCCL_VERSION_CODE compiled against, ncclGetVersion() loaded)");

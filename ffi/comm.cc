@@ -625,6 +625,11 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
              "engram_publish (or fused engram_fetch) into the same window area, or its publish "
              "failed; those rows were returned as zeros. Fetch from the newest publication";
       break;
+    case Cause::kOutOfOrder:
+      msg += "a low-latency *_start came before the previous call's *_done (or the layout "
+             "changed while a call was pending): sends and receives of one op must alternate; "
+             "the communicator's low-latency state may be inconsistent";
+      break;
     case Cause::kWindowTooSmall:
       msg += "symmetric window too small for this call; create the Communicator with a larger "
              "num_bytes (see get_buffer_size_hint)";

@@ -47,7 +47,7 @@ namespace jax_ep {
 constexpr int kLsaBarrierCount = 64;
 
 // Device-local counters, zeroed at create. Slots 0 and 1 back EpPeers.epoch and
-// EpPeers.grid_sync, slots 2..8 the low-latency kernels (low_latency.cuh),
+// EpPeers.grid_sync, slots 2..15 the low-latency kernels (low_latency.cuh),
 // slots from kGinSnapshotCounter on EpPeers.gin_snapshot
 // (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount); the rest are free for
 // kernels that need scratch counters.
@@ -115,9 +115,6 @@ struct DeviceResources {
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
   CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
-  // The layout of the last low-latency call (LlDispatchArgs::reset), kept
-  // by the low-latency handlers.
-  int64_t ll_layout[6] = {};
   // Engram publications live in this device's window (engram_versions.h).
   std::shared_ptr<EngramVersions> engram_versions = std::make_shared<EngramVersions>();
 

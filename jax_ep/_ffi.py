@@ -17,12 +17,14 @@ from jax_ep import _native
 Array = jax.Array
 
 
-def _call(target: str, results, *, vmap_method: "str | None" = "sequential"):
+def _call(target: str, results, *, vmap_method: "str | None" = "sequential",
+          has_side_effect: bool = False):
   # Registration is only needed to compile, not to lower/export; skip it when
   # the CUDA build is absent so that jax.export(platforms=["cuda"]) still works.
   if _native.cuda_built():
     _native.ensure_registered()
-  return jax.ffi.ffi_call(target, results, vmap_method=vmap_method)
+  return jax.ffi.ffi_call(target, results, vmap_method=vmap_method,
+                          has_side_effect=has_side_effect)
 
 
 def layout_cuda(topk_idx: Array, *, num_experts: int, num_ranks: int,

@@ -10,7 +10,10 @@
     them in order and may place other work between.
 
 They run inside `shard_map` on one rank's shard; user-facing checks live in
-`jax_ep.ops.low_latency`. Window layout: ffi/kernels/low_latency.cuh, which
+`jax_ep.ops.low_latency`. Every call is marked side-effecting, so XLA keeps
+them in program order (the kernels' sequence numbers assume every rank runs
+the same calls in the same order, and the split halves of one op must
+alternate). Window layout: ffi/kernels/low_latency.cuh, which
 `window_bytes_needed` mirrors (tests compare it with the native formula).
 """
 from __future__ import annotations
@@ -79,7 +82,7 @@ def dispatch_cuda(x: Array, topk_idx: Array, *, num_experts: int, max_tokens: in
   """(recv_x, recv_count, src_entry); recv_x is (e4m3, scales) with fp8."""
   res = _dispatch_results(x.shape[1], num_experts=num_experts, max_tokens=max_tokens,
                           num_ranks=num_ranks, fp8=fp8)
-  out = _call("jax_ep_ll_dispatch", res, vmap_method=None)(
+  out = _call("jax_ep_ll_dispatch", res, vmap_method=None, has_side_effect=True)(
       x, topk_idx.astype(jnp.int32), fp8=np.int32(fp8), ue8m0=np.int32(ue8m0),
       **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
   return _dispatch_outputs(out, fp8)
@@ -89,7 +92,7 @@ def dispatch_send_cuda(x: Array, topk_idx: Array, *, num_experts: int, max_token
                        comm_id: int, fp8: bool = False, ue8m0: bool = False,
                        reserved_bytes: int = 0, num_sms: int = 0) -> Array:
   """The send half of dispatch_cuda; returns the token its receive takes."""
-  return _call("jax_ep_ll_dispatch_send", _TOKEN, vmap_method=None)(
+  return _call("jax_ep_ll_dispatch_send", _TOKEN, vmap_method=None, has_side_effect=True)(
       x, topk_idx.astype(jnp.int32), fp8=np.int32(fp8), ue8m0=np.int32(ue8m0),
       **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
 
@@ -100,7 +103,7 @@ def dispatch_recv_cuda(token: Array, *, num_tokens: int, topk: int, hidden: int,
   """The receive half: as dispatch_cuda's result."""
   res = _dispatch_results(hidden, num_experts=num_experts, max_tokens=max_tokens,
                           num_ranks=num_ranks, fp8=fp8)
-  out = _call("jax_ep_ll_dispatch_recv", res, vmap_method=None)(
+  out = _call("jax_ep_ll_dispatch_recv", res, vmap_method=None, has_side_effect=True)(
       token, fp8=np.int32(fp8), num_tokens=np.int32(num_tokens), topk=np.int32(topk),
       hidden=np.int32(hidden), **_common(comm_id, num_experts, max_tokens, reserved_bytes,
                                          num_sms))
@@ -113,7 +116,7 @@ def combine_cuda(y: Array, src_entry: Array, recv_count: Array, topk_idx: Array,
   """out [T, H] bf16."""
   t = topk_idx.shape[0]
   return _call("jax_ep_ll_combine", jax.ShapeDtypeStruct((t, y.shape[-1]), jnp.bfloat16),
-               vmap_method=None)(
+               vmap_method=None, has_side_effect=True)(
       y, src_entry.astype(jnp.int32), recv_count.astype(jnp.int32), topk_idx.astype(jnp.int32),
       topk_weights.astype(jnp.float32),
       **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
@@ -123,7 +126,7 @@ def combine_send_cuda(y: Array, src_entry: Array, recv_count: Array, topk_idx: A
                       num_experts: int, max_tokens: int, comm_id: int, reserved_bytes: int = 0,
                       num_sms: int = 0) -> Array:
   """The send half of combine_cuda (rows back to their tokens); a token."""
-  return _call("jax_ep_ll_combine_send", _TOKEN, vmap_method=None)(
+  return _call("jax_ep_ll_combine_send", _TOKEN, vmap_method=None, has_side_effect=True)(
       y, src_entry.astype(jnp.int32), recv_count.astype(jnp.int32), topk_idx.astype(jnp.int32),
       **_common(comm_id, num_experts, max_tokens, reserved_bytes, num_sms))
 
@@ -134,7 +137,7 @@ def combine_recv_cuda(token: Array, topk_idx: Array, topk_weights: Array, *, hid
   """The receive half: out [T, H] bf16."""
   t = topk_idx.shape[0]
   return _call("jax_ep_ll_combine_recv", jax.ShapeDtypeStruct((t, hidden), jnp.bfloat16),
-               vmap_method=None)(
+               vmap_method=None, has_side_effect=True)(
       token, topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32),
       hidden=np.int32(hidden), **_common(comm_id, num_experts, max_tokens, reserved_bytes,
                                          num_sms))

@@ -37,6 +37,9 @@ def main() -> int:
   def loop(kernels):
     def per_rank(x, i, wt):
       def step(_, x):
+        if kernels and os.environ.get("LL_SPLIT") == "1":
+          o = ll.kernel_dispatch_done(ll.kernel_dispatch_start(x, i, num_experts=E, max_tokens=M))
+          return ll.kernel_combine_done(ll.kernel_combine_start(o.recv_x * 2, i, wt, o.handle))
         if kernels:
           o = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=M)
           return ll.kernel_combine(o.recv_x * 2, i, wt, o.handle)

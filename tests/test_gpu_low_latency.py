@@ -180,8 +180,10 @@ def test_low_latency_kernels_split_into_send_and_receive(comm, fp8):
   _kernel_round(comm, 128, 7168, 8, 256, 128, fp8, False, seed=1200 + fp8, calls=3, split=True)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("cmdbuf", [False, True], ids=["plain", "command_buffers"])
-def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(comm, cmdbuf):
+def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(comm, cmdbuf,
+                                                                               split):
   """A jitted fori_loop of kernel dispatch -> combine (8 steps) in a fresh
   process, with XLA's command buffers on for custom calls or off: bitwise
   the reference loop; prints the time per step of each."""
@@ -197,6 +199,7 @@ def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(c
     flags += " --xla_gpu_enable_command_buffer="
   env["XLA_FLAGS"] = flags.strip()
   env["JAX_EP_TEST_GPUS"] = str(comm.num_ranks)
+  env["LL_SPLIT"] = "1" if split else "0"
   worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ll_cmdbuf_worker.py")
   # The module's communicator holds these GPUs' windows; the worker makes its own.
   r = subprocess.run([sys.executable, worker], env=env, capture_output=True, text=True, timeout=300)

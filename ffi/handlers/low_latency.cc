@@ -19,7 +19,8 @@
 // jax_ep_ll_combine_recv    + hidden i32
 //   args: token s32 [1], topk_idx s32 [T, K], topk_weights f32 [T, K]; rets: out [T, H] bf16
 //
-// The tokens carry no data: they make XLA run a receive after its send.
+// A send's token holds its call's sequence number; the receive reads which
+// call it completes from it, and XLA runs it after the send.
 #include <cstdint>
 #include <string>
 
@@ -31,19 +32,6 @@ namespace {
 
 constexpr const char* kDispatchOp = "low_latency_dispatch";
 constexpr const char* kCombineOp = "low_latency_combine";
-
-// Whether this call's window layout differs from the previous low-latency
-// call's on this device (LlDispatchArgs::reset). Only sending kernels take
-// it: a receive reads the layout its send used.
-bool LayoutReset(DeviceResources& dev, int64_t m, int64_t h, int64_t k, int64_t e,
-                 int64_t reserved) {
-  const int64_t key[6] = {1, m, h, k, e, reserved};
-  bool same = true;
-  for (int i = 0; i < 6; ++i) same &= dev.ll_layout[i] == key[i];
-  if (same) return false;
-  for (int i = 0; i < 6; ++i) dev.ll_layout[i] = key[i];
-  return true;
-}
 
 int DeviceSms(int32_t device_ordinal) {
   int sms = 0;
@@ -99,10 +87,6 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kDispatchOp, msg);
-  if (part != LlPart::kRecv) {
-    a.reset = LayoutReset(*lease.dev, a.max_tokens, a.hidden, a.topk, a.num_experts,
-                              static_cast<int64_t>(a.reserved_bytes));
-  }
   if (cudaError_t err = LaunchLlDispatch(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_dispatch launch");
@@ -181,6 +165,7 @@ ffi::Error LlDispatchSendExecute(cudaStream_t stream, int32_t device_ordinal, Co
                                     x.dimensions()[0], x.dimensions()[1], topk_idx.dimensions()[1]);
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
+  a.token_out = token->typed_data();
   return LaunchDispatch(a, lease, device_ordinal, stream, LlPart::kSend);
 }
 
@@ -207,6 +192,7 @@ ffi::Error LlDispatchRecvExecute(cudaStream_t stream, int32_t device_ordinal, Co
   LlDispatchArgs a = DispatchConfig(num_experts, max_tokens, fp8, 0, reserved_bytes, num_sms,
                                     num_tokens, hidden, topk);
   SetDispatchOutputs(a, recv_x, recv_scales, recv_count, src_entry);
+  a.token_in = token.typed_data();
   return LaunchDispatch(a, lease, device_ordinal, stream, LlPart::kRecv);
 }
 
@@ -215,10 +201,6 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kCombineOp, msg);
-  if (part != LlPart::kRecv) {
-    a.reset = LayoutReset(*lease.dev, a.max_tokens, a.hidden, a.topk, a.num_experts,
-                              static_cast<int64_t>(a.reserved_bytes));
-  }
   if (cudaError_t err = LaunchLlCombine(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_combine launch");
@@ -320,6 +302,7 @@ ffi::Error LlCombineSendExecute(cudaStream_t stream, int32_t device_ordinal, Com
   a.src_entry = src_entry.typed_data();
   a.recv_count = recv_count.typed_data();
   a.topk_idx = topk_idx.typed_data();
+  a.token_out = token->typed_data();
   return LaunchCombine(a, lease, device_ordinal, stream, LlPart::kSend);
 }
 
@@ -342,6 +325,7 @@ ffi::Error LlCombineRecvExecute(cudaStream_t stream, int32_t device_ordinal, Com
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
   a.out = out->untyped_data();
+  a.token_in = token.typed_data();
   return LaunchCombine(a, lease, device_ordinal, stream, LlPart::kRecv);
 }
 

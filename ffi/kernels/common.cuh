@@ -30,7 +30,7 @@ enum class Op : uint32_t {
 };
 enum class Cause : uint32_t {
   kNone = 0, kBadExpertId = 1, kCapacityOverflow = 2, kPeerTimeout = 3,
-  kBadIndex = 4, kWindowTooSmall = 5, kStalePublication = 6,
+  kBadIndex = 4, kWindowTooSmall = 5, kStalePublication = 6, kOutOfOrder = 7,
 };
 
 // What a kernel knows about the communicator, passed by value.

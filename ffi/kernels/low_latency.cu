@@ -77,34 +77,67 @@ __device__ void AllSent(const EpPeers& p, Op op, unsigned long long* sent) {
   __syncthreads();
 }
 
-// The layout-change reset (LlDispatchArgs::reset): CTA 0 does it, the
-// others wait for it before touching any window; Finish clears the flag.
-__device__ void ResetIfAsked(const EpPeers& p, Op op, const LlLayout& L,
-                             unsigned long long* counters, bool reset) {
-  if (!reset) return;
-  volatile unsigned long long* done = counters + kLlResetCounter;
+// The layout key a sending kernel compares with the device's record
+// (low_latency.cuh, "Layout changes").
+struct LlKey {
+  unsigned long long v[5];
+  __device__ explicit LlKey(const LlLayout& L)
+      : v{static_cast<unsigned long long>(L.M), static_cast<unsigned long long>(L.H),
+          static_cast<unsigned long long>(L.K), static_cast<unsigned long long>(L.E_l) * L.R,
+          static_cast<unsigned long long>(L.base_off)} {}
+  __device__ bool Recorded(const unsigned long long* ctr) const {
+    const volatile unsigned long long* rec = ctr + kLlLayoutCounter;
+    bool same = true;
+    for (int i = 0; i < 5; ++i) same &= rec[i] == v[i];
+    return same;
+  }
+  __device__ void Record(unsigned long long* ctr) const {
+    for (int i = 0; i < 5; ++i) ctr[kLlLayoutCounter + i] = v[i];
+  }
+};
+
+// Start of a sending kernel: reports a call of this op whose receive has not
+// run (sends must alternate with receives), and on a layout change does the
+// reset: CTA 0 clears, the others wait for its flag (Finish clears it).
+__device__ void BeginSend(const EpPeers& p, Op op, const LlLayout& L, unsigned long long* ctr,
+                          int seq_slot, int recv_slot) {
+  const volatile unsigned long long* c = ctr;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const bool pending_here = c[recv_slot] != c[seq_slot];
+    if (pending_here) report_error(p, op, Cause::kOutOfOrder);
+  }
+  if (LlKey(L).Recorded(ctr)) return;
+  volatile unsigned long long* done = ctr + kLlResetCounter;
   if (blockIdx.x == 0) {
     __shared__ int s_ok;
-    if (threadIdx.x == 0) s_ok = rank_barrier(p, op);
+    if (threadIdx.x == 0) {
+      const bool pending = c[kLlDispatchRecvCounter] != c[kLlDispatchSeqCounter] ||
+                           c[kLlCombineRecvCounter] != c[kLlCombineSeqCounter];
+      if (pending) report_error(p, op, Cause::kOutOfOrder);
+      s_ok = rank_barrier(p, op);
+    }
     __syncthreads();
     char* mine = p.base[p.rank];
     const size_t counts = static_cast<size_t>(L.E_l) * L.R;
     for (int b = 0; b < 2; ++b) {
-      uint64_t* c = reinterpret_cast<uint64_t*>(mine + L.DispCounts(b));
-      for (size_t i = threadIdx.x; i < counts; i += blockDim.x) c[i] = 0;
+      uint64_t* cw = reinterpret_cast<uint64_t*>(mine + L.DispCounts(b));
+      for (size_t i = threadIdx.x; i < counts; i += blockDim.x) cw[i] = 0;
       uint64_t* f = reinterpret_cast<uint64_t*>(mine + L.CombFlags(b));
       for (int i = threadIdx.x; i < L.R; i += blockDim.x) f[i] = 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      if (s_ok) rank_barrier(p, op);  // rank_barrier fences before it signals
+      __threadfence_system();
+      if (s_ok) rank_barrier(p, op);
       *done = 1;
       __threadfence();
     }
     __syncthreads();
   } else {
     if (threadIdx.x == 0) {
+      const unsigned long long t0 = globaltimer_ns();
       while (*done == 0) {
+        if (globaltimer_ns() - t0 > 4 * p.timeout_ns) break;  // CTA 0 reports its own timeouts
       }
     }
     __syncthreads();
@@ -114,7 +147,7 @@ __device__ void ResetIfAsked(const EpPeers& p, Op op, const LlLayout& L,
 // The last CTA to finish resets the scratch counters and advances the
 // sequence number for the next call.
 __device__ void Finish(unsigned long long* ctr, int seq_slot, int sent_slot, int done_slot,
-                       unsigned long long seq) {
+                       unsigned long long seq, const LlLayout& L) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -123,18 +156,34 @@ __device__ void Finish(unsigned long long* ctr, int seq_slot, int sent_slot, int
       ctr[done_slot] = 0;
       ctr[kLlResetCounter] = 0;
       ctr[seq_slot] = seq;
+      LlKey(L).Record(ctr);
       __threadfence();
     }
   }
 }
 
-// This call's sequence number: the counter + 1 in the sending kernel (its
-// last CTA stores it back), the counter itself in a receive-only kernel
-// (the send before it advanced it).
+// The end of a receive: the next send of this op may reuse the buffers.
+__device__ void Received(unsigned long long* ctr, int recv_slot, unsigned long long seq) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) ctr[recv_slot] = seq;
+}
+
+// This call's sequence number: the counter + 1 in a sending kernel (its
+// last CTA stores it back; a send-only kernel also writes it into its
+// token), the send's token in a receive-only kernel.
 template <LlPart kPart>
-__device__ __forceinline__ unsigned long long ReadSeq(const unsigned long long* ctr) {
-  const unsigned long long v = *reinterpret_cast<const volatile unsigned long long*>(ctr);
-  return kPart == LlPart::kRecv ? v : v + 1;
+__device__ __forceinline__ unsigned long long ReadSeq(const unsigned long long* ctr,
+                                                      const int32_t* token_in) {
+  if constexpr (kPart == LlPart::kRecv) {
+    return static_cast<uint32_t>(*reinterpret_cast<const volatile int32_t*>(token_in));
+  }
+  return *reinterpret_cast<const volatile unsigned long long*>(ctr) + 1;
+}
+
+template <LlPart kPart>
+__device__ __forceinline__ void WriteToken(int32_t* token_out, unsigned long long seq) {
+  if constexpr (kPart == LlPart::kSend) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *token_out = static_cast<int32_t>(seq);
+  }
 }
 
 // ---------------------------------------------------------------- dispatch
@@ -154,10 +203,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int H = a.hidden;
   const int nvec = H / 8;  // 16-byte vectors of bf16
   unsigned long long* ctr = a.counters;
-  const unsigned long long seq = ReadSeq<kPart>(ctr + kLlDispatchSeqCounter);
+  const unsigned long long seq = ReadSeq<kPart>(ctr + kLlDispatchSeqCounter, a.token_in);
   const int b = static_cast<int>(seq & 1ull);
   if constexpr (kPart != LlPart::kRecv) {
-    ResetIfAsked(p, Op::kLowLatencyDispatch, L, ctr, a.reset);
+    BeginSend(p, Op::kLowLatencyDispatch, L, ctr, kLlDispatchSeqCounter, kLlDispatchRecvCounter);
+    WriteToken<kPart>(a.token_out, seq);
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
     __syncthreads();
 
@@ -275,8 +325,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
   }
   if constexpr (kPart == LlPart::kSend) {
-    Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter,
-           seq);
+    Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter, seq, L);
     return;
   }
 
@@ -337,9 +386,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncthreads();
   }
+  Received(ctr, kLlDispatchRecvCounter, seq);
   if constexpr (kPart == LlPart::kFused) {
-    Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter,
-           seq);
+    Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter, seq, L);
   }
 }
 
@@ -355,10 +404,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int gw = blockIdx.x * kLlWarps + warp;
   const int nw = gridDim.x * kLlWarps;
   unsigned long long* ctr = a.counters;
-  const unsigned long long seq = ReadSeq<kPart>(ctr + kLlCombineSeqCounter);
+  const unsigned long long seq = ReadSeq<kPart>(ctr + kLlCombineSeqCounter, a.token_in);
   const int b = static_cast<int>(seq & 1ull);
   if constexpr (kPart != LlPart::kRecv) {
-    ResetIfAsked(p, Op::kLowLatencyCombine, L, ctr, a.reset);
+    BeginSend(p, Op::kLowLatencyCombine, L, ctr, kLlCombineSeqCounter, kLlCombineRecvCounter);
+    WriteToken<kPart>(a.token_out, seq);
 
     // 1. Every valid expert-side row back to its token's (t, k) slot in the
     // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
@@ -396,8 +446,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
   }
   if constexpr (kPart == LlPart::kSend) {
-    Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter,
-           seq);
+    Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter, seq, L);
     return;
   }
 
@@ -449,9 +498,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncwarp();
   }
+  Received(ctr, kLlCombineRecvCounter, seq);
   if constexpr (kPart == LlPart::kFused) {
-    Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter,
-           seq);
+    Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter, seq, L);
   }
 }
 

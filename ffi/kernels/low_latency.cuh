@@ -32,6 +32,9 @@ constexpr int kLlCombineSentCounter = 5;
 constexpr int kLlDispatchDoneCounter = 6;  // CTAs done (the last bumps the sequence)
 constexpr int kLlCombineDoneCounter = 7;
 constexpr int kLlResetCounter = 8;         // 1 while CTA 0's layout reset is done (this kernel)
+constexpr int kLlDispatchRecvCounter = 9;  // sequence number of the last dispatch received
+constexpr int kLlCombineRecvCounter = 10;
+constexpr int kLlLayoutCounter = 11;       // 5 slots: the layout (M, H, K, E, reserved) in use
 
 constexpr size_t kLlAlign = 256;
 
@@ -95,17 +98,21 @@ struct LlDispatchArgs {
   int32_t* src_entry = nullptr;      // [E_l, R * M]: (s * T + t) * K + k, -1 past the count
   unsigned long long* counters = nullptr;  // the device's counters (comm.h)
   int num_blocks = 0;                // 0: every SM
-  // Non-zero when this call's layout differs from the previous low-latency
-  // call's on this communicator (the handler tracks it): the areas moved, so
-  // old bytes may sit where count words now are. CTA 0 then passes a
-  // barrier (every rank has finished its earlier calls), clears this rank's
-  // count / flag words of the new layout, and passes a second barrier (no
-  // peer writes them before they are clear) before anyone sends. The other
-  // CTAs wait on a device flag that the kernel's last CTA clears again, so a
-  // CUDA graph that captured a resetting call replays correctly (it resets
-  // on every replay).
-  bool reset = false;
+  // The split form (LlPart): the send writes its sequence number here, the
+  // receive reads which call it completes from here.
+  int32_t* token_out = nullptr;
+  const int32_t* token_in = nullptr;
 };
+
+// Layout changes. When a sending kernel's layout (M, H, K, E, reserved)
+// differs from the one recorded on the device (kLlLayoutCounter), the areas
+// moved and old bytes may sit where count words now are: CTA 0 passes a
+// barrier (every rank has finished its earlier calls), clears this rank's
+// count / flag words of the new layout, and passes a second barrier (no peer
+// writes them before they are clear) before anyone sends; the kernel's last
+// CTA records the new layout. Every rank runs the same calls, so every rank
+// decides alike, and the decision is made on the device, so a CUDA graph
+// replays it correctly.
 
 struct LlCombineArgs {
   const void* y = nullptr;              // [E_l, R * M, H] bf16
@@ -118,7 +125,8 @@ struct LlCombineArgs {
   void* out = nullptr;                  // [T, H] bf16
   unsigned long long* counters = nullptr;
   int num_blocks = 0;
-  bool reset = false;  // as LlDispatchArgs::reset
+  int32_t* token_out = nullptr;      // as LlDispatchArgs
+  const int32_t* token_in = nullptr;
 };
 
 // Window bytes (from the base) the low-latency ops need for a config: the
@@ -130,11 +138,13 @@ std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p);
 std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p);
 
 // Which part of an op one kernel runs: all of it, or the send (rows and
-// count/flag words out; advances the sequence number) and the receive
-// (waits and copies / reduces) as two kernels that XLA may separate with
-// other work (*_start / *_done). The receive of a split op reads the
-// sequence number its send left, so the two must come in that order, with
-// at most two sends of one op in flight before their receives.
+// count/flag words out; advances the sequence number, which it writes into
+// its token) and the receive (waits and copies / reduces the call its token
+// names) as two kernels that XLA may separate with other work (*_start /
+// *_done). Sends and receives of one op must alternate (start, done, start,
+// done): the two buffers cover one call in flight and the next one. A send
+// that finds the previous call of its op not yet received, or a layout
+// change while a call of either op is pending, reports Cause::kOutOfOrder.
 enum class LlPart : int { kFused = 0, kSend = 1, kRecv = 2 };
 
 // Enqueue the op or one part of it (one kernel). Device-side problems

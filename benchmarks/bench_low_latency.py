@@ -5,6 +5,10 @@ max_tokens = 128, FP8 (cast in the op) and BF16 dispatch, BF16 combine.
 Measured in the same process run:
   jax_ep          low_latency_*(backend="cuda"): the low-latency ops over the
                   normal CUDA kernels (jax_ep/ops/_low_latency_normal.py)
+  jax_ep_kernels  the dedicated kernels (docs/low_latency.md), fused, and
+  jax_ep_kernels_split  as *_start + *_done; each first checked against the
+                  reference (counts, valid rows, combine bits) and left out,
+                  saying why, if it disagrees
   reference       low_latency_*(backend="reference")
   jax_all_to_all  one row per (token, rank) + dense lax.all_to_all (the
                   strongest JAX-native pipeline of bench_normal), dispatch and
@@ -62,11 +66,18 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
     print(f"  {name:20s} {impl:16s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
 
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4
+  from jax_ep import _ffi_low_latency
   from jax_ep._ffi_dispatch import window_bytes_needed
-  nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
-                                            hidden=h, topk=shape.topk, num_experts=e))
+  # The composition over the normal kernels uses the window from its base;
+  # the dedicated kernels' area goes above it (reserved).
+  reserved = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
+                                              hidden=h, topk=shape.topk, num_experts=e))
+  nbytes = _ffi_low_latency.window_bytes_needed(
+      num_ranks=shape.ranks, max_tokens=MAX_TOKENS, hidden=h, topk=shape.topk, num_experts=e,
+      reserved_bytes=reserved)
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
+    _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row)
     for impl, backend in (("jax_ep", "cuda"), ("reference", "reference")):
       for dtype, fp8, row in (("fp8", True, fp8_row), ("bf16", False, bf16_row)):
         f = smap(lambda x, i, b=backend, q=fp8: jax_ep.low_latency_dispatch(
@@ -87,6 +98,65 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
   finally:
     comm.close()
   return results
+
+
+def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row) -> None:
+  """The dedicated kernels, fused and split, after an agreement check with
+  the reference at this shape (they are new: a disagreement is reported and
+  the kernel left out, not timed)."""
+  import jax
+  import numpy as np
+  import jax_ep
+  from jax_ep.ops import low_latency as ll
+
+  def bits(a):  # raw bytes, so NaN patterns compare too
+    return np.ascontiguousarray(a).view(np.uint8)
+
+  ref_o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)))
+  kd = dict(kw, reserved_bytes=reserved)
+  for dtype, fp8, row in (("fp8", True, fp8_row), ("bf16", False, bf16_row)):
+    fused = lambda x, i, q=fp8: ll.kernel_dispatch(x, i, fp8=q, **kd)
+    split = lambda x, i, q=fp8: ll.kernel_dispatch_done(ll.kernel_dispatch_start(x, i, fp8=q, **kd))
+    want = jax.jit(smap(lambda x, i, q=fp8: jax_ep.low_latency_dispatch(
+        x, i, fp8=q, backend="reference", **kw)))(x, topk_idx)
+    for impl, f in (("jax_ep_kernels", fused), ("jax_ep_kernels_split", split)):
+      try:
+        got = jax.jit(smap(f))(x, topk_idx)
+        counts = np.asarray(want.recv_count).reshape(-1)
+        ok = np.array_equal(np.asarray(got.recv_count), np.asarray(want.recv_count)) and \
+            np.array_equal(np.asarray(got.handle.src_entry), np.asarray(want.handle.src_entry))
+        m = np.asarray(jax.tree.leaves(want.recv_x)[0]).shape[1]
+        valid = np.arange(m)[None, :] < counts[:, None]
+        for a, b in zip(jax.tree.leaves(got.recv_x), jax.tree.leaves(want.recv_x)):
+          ok &= np.array_equal(bits(np.asarray(a))[valid], bits(np.asarray(b))[valid])
+      except Exception as e:  # noqa: BLE001 - a new kernel must not hide the others
+        print(f"  low_latency_dispatch {impl} {dtype}: FAILED: {type(e).__name__}: {str(e)[:300]}",
+              flush=True)
+        continue
+      if not ok:
+        print(f"  low_latency_dispatch {impl} {dtype}: DISAGREES with the reference; not timed",
+              flush=True)
+        continue
+      bench("low_latency_dispatch", impl, dtype, smap(lambda x, i, f=f: f(x, i).recv_x),
+            (x, topk_idx), row)
+  o = ref_o(x, topk_idx)
+  y = o.recv_x
+  want = jax.jit(smap(lambda y, i, w, hd: jax_ep.low_latency_combine(
+      y, i, w, hd, axis_name="ep", backend="reference")))(y, topk_idx, w, o.handle)
+  fused = lambda y, i, w, hd: ll.kernel_combine(y, i, w, hd, reserved_bytes=reserved)
+  split = lambda y, i, w, hd: ll.kernel_combine_done(
+      ll.kernel_combine_start(y, i, w, hd, reserved_bytes=reserved))
+  for impl, f in (("jax_ep_kernels", fused), ("jax_ep_kernels_split", split)):
+    try:
+      got = jax.jit(smap(f))(y, topk_idx, w, o.handle)
+      ok = np.array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
+    except Exception as e:  # noqa: BLE001
+      print(f"  low_latency_combine {impl}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    if not ok:
+      print(f"  low_latency_combine {impl}: DISAGREES with the reference; not timed", flush=True)
+      continue
+    bench("low_latency_combine", impl, "bf16", smap(f), (y, topk_idx, w, o.handle), bf16_row)
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,13 @@ import numpy as np
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-class EpRuntimeError(RuntimeError):
-  """A device-side problem found while an op ran (bad id, overflow, timeout)."""
+class EpRuntimeError(jax.errors.JaxRuntimeError):
+  """A device-side problem found while an op ran (bad id, overflow, timeout).
+
+  A `jax.errors.JaxRuntimeError`, which is the one type to catch on both
+  backends: the CUDA path raises this class itself (at the next call or
+  `Communicator.check()`), the reference's run-time checks surface from the
+  jitted call as a JaxRuntimeError whose message holds jax_ep's."""
 
 
 def is_fp8_pair(x: Any) -> bool:

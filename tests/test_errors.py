@@ -122,7 +122,9 @@ def test_expert_id_out_of_range_raises_at_run_time_and_next_call_works(layout):
     for bad_id in (E, -2, 10 * E):
         bad = idx.copy()
         bad[1, 3, 1] = bad_id
-        with pytest.raises(Exception, match="(?i)expert"):
+        # The documented type to catch on either backend (jax_ep's own
+        # EpRuntimeError is one too).
+        with pytest.raises(jax.errors.JaxRuntimeError, match="(?i)expert"):
             jax.block_until_ready(f(x, bad, w))
         recv_x, ridx = (np.asarray(a) for a in jax.block_until_ready(f(x, idx, w)))
         for r in range(R):
@@ -204,3 +206,8 @@ def test_ops_outside_shard_map_or_on_a_wrong_axis_say_what_to_do():
                        mesh, axis_name="experts")
   with pytest.raises(ValueError, match="axis_name='ep'"):
     jax.jit(f)(jnp.zeros((8, 2), jnp.int32))
+
+
+def test_ep_runtime_error_is_the_jax_runtime_error_users_catch():
+    assert issubclass(jax_ep.EpRuntimeError, jax.errors.JaxRuntimeError)
+    assert issubclass(jax_ep.EpRuntimeError, RuntimeError)

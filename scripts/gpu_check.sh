@@ -5,12 +5,16 @@
 #   OUT=/some/dir scripts/gpu_check.sh      (PYTHON=python3 by default)
 #   JAX_EP_COMMIT=<sha> labels the benchmark records (the tree copied to the
 #   device machine has no .git; run it as JAX_EP_COMMIT=$(git rev-parse --short HEAD) ...)
-#   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files,
+#   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files
+#   ("none": no tests),
 #   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all);
 #   GPU_CHECK_PYTEST_ARGS replaces pytest's -x (e.g. "" to run every test
 #   past a failure); GPU_CHECK_ARGS_<bench>="..." extra arguments for one
 #   benchmark, e.g.
 #   GPU_CHECK_ARGS_bench_moe="--sweep".
+#   A device call is limited to 10 minutes: on a cold machine run the tests
+#   and the benchmarks as separate calls (GPU_CHECK_BENCH=none, then
+#   GPU_CHECK_TESTS=none GPU_CHECK_BENCH="..."), a few benchmarks per call.
 #   On a one-GPU machine the suite runs at EP1 (JAX_EP_TEST_GPUS=1) and the
 #   two-GPU benchmarks report "skipped" (they exit 2).
 #   CUTLASS headers: the pinned nvidia-cutlass wheel, installed from .whl/
@@ -77,7 +81,9 @@ fi
 cat "$LOGS/versions.txt"
 
 note "GPU tests"
-if [ "$build" = ok ]; then
+if [ "${GPU_CHECK_TESTS:-}" = none ]; then
+  tests="not run (GPU_CHECK_TESTS=none)"
+elif [ "$build" = ok ]; then
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${GPU_CHECK_TESTS:-} \
       --junitxml="$OUT/junit.xml" >"$LOGS/pytest.log" 2>&1 || status=1

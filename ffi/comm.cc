@@ -622,8 +622,10 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
       break;
     case Cause::kStalePublication:
       msg += "stale publication: the PublishedTable fetched from was superseded by a later "
-             "engram_publish (or fused engram_fetch) into the same window area, or its publish "
-             "failed; those rows were returned as zeros. Fetch from the newest publication";
+             "engram_publish (or fused engram_fetch) into the same window area, or overwritten "
+             "by a dispatch / combine / low-latency call whose window area reaches it (pass "
+             "their window need as reserved_bytes, or a larger window), or its publish failed; "
+             "those rows were returned as zeros";
       break;
     case Cause::kOutOfOrder:
       msg += "a low-latency *_start came before the previous call's *_done (or the layout "

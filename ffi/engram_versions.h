@@ -1,6 +1,7 @@
 // Which Engram publication is current, per device (docs/design.md §2): a
 // publish into a window area makes every earlier publication that overlaps
-// it stale, and a fetch must say which publication it reads. The host keeps
+// it stale, so does any other op whose window area reaches it (Invalidate),
+// and a fetch must say which publication it reads. The host keeps
 // the versions because it launches publishes and fetches in stream order;
 // the publish kernel writes its version into the token and the fetch
 // kernel compares the token it was given with the version current at its
@@ -28,6 +29,17 @@ class EngramVersions {
     last_ = last_ >= INT32_MAX - 1 ? 1 : last_ + 1;
     areas_[off] = {bytes, last_};
     return last_;
+  }
+
+  // Another op is about to write window bytes [begin, end): publications
+  // there are stale from now on (a later fetch of them reports it instead of
+  // reading overwritten rows).
+  void Invalidate(size_t begin, size_t end) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = areas_.begin(); it != areas_.end();) {
+      const size_t a = it->first, b = it->first + it->second.first;
+      it = (a < end && begin < b) ? areas_.erase(it) : std::next(it);
+    }
   }
 
   // The version of the live publication starting at `off` with `bytes`

@@ -253,3 +253,38 @@ def test_fetch_from_a_superseded_publication_reports_stale(comm):
     got = np.asarray(jax.block_until_ready(fetch(p2, h.put(comm.mesh, idx))))
     comm.check()
     np.testing.assert_array_equal(bits(got), _oracle_bits(t2, idx))
+
+
+def test_fetch_after_a_dispatch_overwrote_the_table_reports_stale(comm):
+    """A table placed where a dispatch's window area reaches (no
+    reserved_bytes), a dispatch, then a fetch of that publication: 'stale
+    publication' and zeros, never the dispatch's bytes; republishing works."""
+    from jax_ep._checks import EpRuntimeError
+    from jax_ep._ffi_dispatch import window_bytes_needed
+
+    R = comm.num_ranks
+    T_d, H_d, K_d, E_d = 1024, 2048, 4, 16
+    need = window_bytes_needed(num_ranks=R, tokens_per_rank=T_d, hidden=H_d, topk=K_d,
+                               num_experts=E_d)
+    rows = (comm.num_bytes - need // 2) // (D * 2)  # starts below the dispatch's end
+    rng = np.random.default_rng(31003)
+    t1 = _table(rng, (R, rows, D), BF16)
+    idx = _indices(rng, R, R * rows)
+    x = rng.standard_normal((R, T_d, H_d)).astype(BF16)
+    tk = np.stack([h.random_topk(rng, T_d, K_d, E_d) for _ in range(R)])
+    publish = h.per_rank_jit(comm.mesh, lambda t: jax_ep.engram_publish(
+        t, axis_name=h.AXIS, backend="cuda"))
+    dispatch = h.per_rank_jit(comm.mesh, lambda a, i: jax_ep.dispatch(
+        a, i, None, num_experts=E_d, axis_name=h.AXIS, backend="cuda").recv_x)
+    fetch = h.per_rank_jit(comm.mesh, lambda p, i: jax_ep.engram_fetch(p, i))
+    p1 = jax.block_until_ready(publish(h.put(comm.mesh, t1)))
+    jax.block_until_ready(dispatch(h.put(comm.mesh, x), h.put(comm.mesh, tk)))
+    comm.check()
+    got = np.asarray(jax.block_until_ready(fetch(p1, h.put(comm.mesh, idx))))
+    assert not np.any(bits(got))
+    with pytest.raises(EpRuntimeError, match="stale publication"):
+        comm.check()
+    p2 = jax.block_until_ready(publish(h.put(comm.mesh, t1)))
+    got = np.asarray(jax.block_until_ready(fetch(p2, h.put(comm.mesh, idx))))
+    comm.check()
+    np.testing.assert_array_equal(bits(got), _oracle_bits(t1, idx))

@@ -124,6 +124,9 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   a.recv_counts = recv_counts->typed_data();
 
   if (std::string msg = ValidateDispatch(a, peers); !msg.empty()) return Invalid(kOp, msg);
+  // Engram tables this dispatch's window area overwrites are stale from now
+  // on: a later fetch of one reports it instead of reading these rows.
+  lease.dev->engram_versions->Invalidate(0, DispatchWindowNeed(a, peers.nranks));
   if (cudaError_t err = LaunchDispatch(a, peers, stream, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
@@ -180,6 +183,8 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   a.num_sms = num_sms;
   a.out = out->untyped_data();
   if (std::string msg = ValidateCombine(a, peers); !msg.empty()) return Invalid(kOp, msg);
+  lease.dev->engram_versions->Invalidate(
+      0, CombineWindowBytes(peers.nranks, a.num_tokens, a.hidden, a.topk, a.y_dtype, a.layout));
   if (cudaError_t err = LaunchCombine(a, peers, stream, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }

@@ -87,6 +87,8 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kDispatchOp, msg);
+  lease.dev->engram_versions->Invalidate(  // see dispatch.cc
+      0, LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes));
   if (cudaError_t err = LaunchLlDispatch(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_dispatch launch");
@@ -201,6 +203,8 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kCombineOp, msg);
+  lease.dev->engram_versions->Invalidate(
+      0, LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes));
   if (cudaError_t err = LaunchLlCombine(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_combine launch");

@@ -823,6 +823,12 @@ size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, b
   return DispatchWindow(R, T, H, K, E, EpDtypeBytes(payload), fp8_scales).end;
 }
 
+size_t DispatchWindowNeed(const DispatchArgs& a, int R) {
+  const bool fp8 = a.cast_fp8 || a.x_dtype == EpDtype::kFp8E4m3;
+  return DispatchWindowBytes(R, a.num_tokens, a.hidden, a.topk, a.num_experts,
+                             fp8 ? EpDtype::kFp8E4m3 : a.x_dtype, fp8);
+}
+
 std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p) {
   const int R = p.nranks;
   auto s = [](long long v) { return std::to_string(v); };
@@ -842,9 +848,7 @@ std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p) {
     return "row bytes (hidden * " + s(in_bytes) + " = " + s(static_cast<long long>(a.hidden) * in_bytes) + ") must be a multiple of 16";
   if (static_cast<long long>(a.num_tokens) * a.topk >= (1ll << 31) || static_cast<long long>(a.capacity) >= (1ll << 31))
     return "too many tokens";
-  const bool fp8 = a.cast_fp8 || fp8_in;
-  const size_t need = DispatchWindowBytes(R, a.num_tokens, a.hidden, a.topk, a.num_experts,
-                                          fp8 ? EpDtype::kFp8E4m3 : a.x_dtype, fp8);
+  const size_t need = DispatchWindowNeed(a, R);
   if (need > p.window_bytes)
     return "the communicator's window (" + s(p.window_bytes) + " bytes) is too small for this dispatch: needs " +
            s(need) + " bytes (create the Communicator with num_bytes >= this)";

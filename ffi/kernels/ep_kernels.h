@@ -98,6 +98,8 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
 // Bytes (from the window base, header included) that one config needs; the
 // communicator's size hint should be at least this (window_layout.h).
 size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales);
+// What one dispatch writes, from the window base (ValidateDispatch's need).
+size_t DispatchWindowNeed(const DispatchArgs& a, int R);
 size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout);
 
 // CTAs for the data-moving kernels, from a bandwidth model (see dispatch.cu);

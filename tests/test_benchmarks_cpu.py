@@ -44,6 +44,11 @@ def test_moe_bench_variants_agree_on_cpu():
   x, params = bm.make_inputs(shape, mesh, jax.random.key(3))
   diffs = bm.compare(shape, mesh, x, params)
   assert set(diffs) == {"jax_ep", "reference", "jax_native_dense_a2a"}
+  # XLA:CPU has no ragged-all-to-all: that layer is left out here, but it
+  # must still trace and lower (its shapes and offsets are checked on GPU).
+  assert "jax_native_ragged_a2a" in bm.EXCLUDED
+  step = bm.make_step(bm.layers(shape, 1.25)["jax_native_ragged_a2a"], mesh)
+  assert "ragged_all_to_all" in step.lower(params, x).as_text()
   assert diffs["reference"] == (0.0, 0.0)  # on CPU jax_ep is the reference
   # The native layer at capacity factor 1 drops pairs, and says how many.
   n = bm.drops(np.asarray(x), np.asarray(params[0][0]), shape=shape, r_count=4,

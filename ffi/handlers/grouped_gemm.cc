@@ -5,10 +5,10 @@
 // nothing under jax 0.11.2's PjRt on the GPU machine).
 #include <cuda_runtime.h>
 
-#include <array>
 #include <cstdint>
 #include <string>
 
+#include "handlers/device_sms.h"
 #include "kernels/grouped_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -19,18 +19,6 @@ namespace ffi = ::xla::ffi;
 
 ffi::Error Invalid(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_ep grouped_matmul: " + msg);
-}
-
-int DeviceSms(int ordinal) {
-  static std::array<int, 64> cache{};
-  if (ordinal < 0 || ordinal >= static_cast<int>(cache.size())) return 0;
-  if (cache[ordinal] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) == cudaSuccess) {
-      cache[ordinal] = n;
-    }
-  }
-  return cache[ordinal];
 }
 
 // The checks of rows, H and F (set in g) that both targets share, and the

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <string>
 
+#include "handlers/device_sms.h"
 #include "handlers/state.h"
 #include "kernels/low_latency.cuh"
 
@@ -32,14 +33,6 @@ namespace {
 
 constexpr const char* kDispatchOp = "low_latency_dispatch";
 constexpr const char* kCombineOp = "low_latency_combine";
-
-int DeviceSms(int32_t device_ordinal) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_ordinal) != cudaSuccess) {
-    return 1;
-  }
-  return sms;
-}
 
 ffi::Error CheckConfig(const char* op, const EpPeers& peers, int32_t num_experts,
                        int64_t reserved_bytes) {

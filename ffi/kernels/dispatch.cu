@@ -502,28 +502,12 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
         for (unsigned m = out_mask; m; m &= m - 1)
           StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_out_row, __ffs(m) - 1)), base, nvec, lane, v);
       } else {
-        constexpr int V = Vec16<TIn>::N;   // channels per 16-byte load
-        constexpr int LPB = kFp8Block / V; // lanes per 128-channel block
-        using QT = typename std::conditional<V == 8, uint2, uint32_t>::type;
+        constexpr int LPB = kFp8Block / Vec16<TIn>::N;  // lanes per 128-channel block
+        using QT = Fp8Vec<TIn>;
         QT q[kUnroll];
         float s[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[V];
-          Vec16<TIn>::ToFloat(v[u], f);
-          float amax = 0.f;
-#pragma unroll
-          for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-          for (int off = LPB / 2; off >= 1; off >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-          s[u] = Fp8Scale(amax, c.ue8m0 != 0);
-          const float inv = __fdiv_rn(1.0f, s[u]);  // as jax_ep/fp8.py: q = x * (1 / s)
-          uint8_t b[V];
-#pragma unroll
-          for (int i = 0; i < V; ++i) b[i] = Fp8Quantize(f[i], inv);
-          memcpy(&q[u], b, sizeof(QT));
-        }
+        for (int u = 0; u < kUnroll; ++u) q[u] = CastVec16Fp8<TIn>(v[u], c.ue8m0 != 0, s[u]);
         // Each lane's 16 input bytes become V output bytes at channel idx*V.
         auto put = [&](char* row, float* srow) {
 #pragma unroll

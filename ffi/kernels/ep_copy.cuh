@@ -38,6 +38,21 @@ __device__ __forceinline__ uint4 LdV4(const uint4* ptr) {
   return v;
 }
 
+// Data a peer wrote during this kernel, read after an acquire of the word
+// that announced it: cached in L2 only, never a stale L1 line.
+__device__ __forceinline__ uint4 LdCg(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ int32_t LdCgI32(const int32_t* ptr) {
+  int32_t v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
+  return v;
+}
+
 // Store that does not allocate in L1 (local output or a peer's window).
 __device__ __forceinline__ void StNa(uint4* ptr, const uint4& v) {
   asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x),

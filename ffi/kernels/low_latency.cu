@@ -18,21 +18,6 @@ namespace {
 constexpr int kLlThreads = 512;
 constexpr int kLlWarps = kLlThreads / 32;
 
-// Window data a peer wrote during this kernel, read after an acquire of its
-// count word: cached in L2 only.
-__device__ __forceinline__ uint4 LdCg(const uint4* ptr) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr));
-  return v;
-}
-__device__ __forceinline__ int32_t LdCgI32(const int32_t* ptr) {
-  int32_t v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
-  return v;
-}
-
 // Waits until `word` carries tag `seq`; returns its low 32 bits, or -1 after
 // reporting a timeout (peer `peer`).
 __device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uint64_t seq,
@@ -266,7 +251,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
                                                        static_cast<size_t>(t) * H * 2);
       for (int base = 0; base < nvec; base += 32 * kUnroll) {
         uint4 v[kUnroll];
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int idx = base + u * 32 + lane;
           v[u] = idx < nvec ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
@@ -278,27 +263,12 @@ __global__ void __launch_bounds__(kLlThreads, 1)
           // 8 channels per lane, 16 lanes per 128-channel block (H % 128 == 0).
           uint2 qv[kUnroll];
           float s[kUnroll];
-  #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            float f[8];
-            Vec16<__nv_bfloat16>::ToFloat(v[u], f);
-            float amax = 0.f;
-  #pragma unroll
-            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-  #pragma unroll
-            for (int off = 8; off >= 1; off >>= 1)
-              amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-            s[u] = Fp8Scale(amax, a.ue8m0);
-            const float inv = __fdiv_rn(1.0f, s[u]);
-            uint8_t q8[8];
-  #pragma unroll
-            for (int i = 0; i < 8; ++i) q8[i] = Fp8Quantize(f[i], inv);
-            memcpy(&qv[u], q8, sizeof(uint2));
-          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) qv[u] = CastVec16Fp8<__nv_bfloat16>(v[u], a.ue8m0, s[u]);
           for (unsigned m = dst_mask; m; m &= m - 1) {
             char* row = ShflPtr(lane_row, __ffs(m) - 1);
             float* srow = reinterpret_cast<float*>(row + H);
-  #pragma unroll
+#pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
               const int idx = base + u * 32 + lane;
               if (idx < nvec) {
@@ -428,7 +398,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
                                                         (static_cast<size_t>(l) * m_all + i) * H * 2);
       for (int base = 0; base < nvec; base += 32 * kUnroll) {
         uint4 v[kUnroll];
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int idx = base + u * 32 + lane;
           v[u] = idx < nvec ? LdNcNa(src + idx) : make_uint4(0, 0, 0, 0);

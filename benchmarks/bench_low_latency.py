@@ -14,15 +14,18 @@ Measured in the same process run:
                   strongest JAX-native pipeline of bench_normal), dispatch and
                   combine at the same token count
 
-Every low-latency dispatch writes its whole [E_l, R * max_tokens, H] grid
-(rows past the counts are zeros by contract): 470 MB of HBM writes per rank
-at this shape in BF16, whichever implementation. Times are medians of
-jitted steps of chained calls (bench_normal._time_step; at most 8 calls per
-step here, the grids are large); the L2 is not flushed between calls.
+The reference and the composition write the whole [E_l, R * max_tokens, H]
+grid (470 MB per rank at this shape in BF16); the dedicated kernels write
+only the valid rows (rows past the counts are unspecified by contract). Times are medians of
+jitted steps of chained calls (bench_normal._time_step: 50 calls per step
+for the dedicated kernels, with the profiler's kernel time per call beside
+them; at most 8 for the others, whose grids are large); the L2 is not
+flushed between calls. JAX_EP_BENCH_RANKS=1 runs it on one GPU (EP1: local
+rows only, launch and kernel overheads; no copy-engine ceiling).
 
   python benchmarks/bench_low_latency.py [--quick] [--out DIR]
 
-Exits 2 (measuring nothing, writing nothing) without 2 GPUs or the CUDA build.
+Exits 2 (measuring nothing, writing nothing) without the GPUs or the CUDA build.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ sys.path.insert(0, HERE)
 import bench_normal  # noqa: E402
 
 MAX_TOKENS = 128
+KERNEL_CHAIN = 50   # calls per jitted step for the dedicated kernels (issue: >= 50)
 
 
 def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
@@ -54,16 +58,23 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
   kw = dict(num_experts=e, max_tokens=MAX_TOKENS, axis_name="ep")
   results: list[dict] = []
 
-  def bench(name, impl, dtype, fn, args, row_bytes):
-    t = bench_normal.time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick, max_iters=8)
+  def bench(name, impl, dtype, fn, args, row_bytes, *, chain=8, kernel=None):
+    """`chain` calls per jitted step (the dedicated kernels: >= 50, as a
+    decode loop sees them); `kernel`: the kernel-name substring whose
+    profiler time per call is recorded next to the wall time."""
+    t = bench_normal.time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick, max_iters=chain)
     if t is None:
       return
     nv, lg = bench_normal._bytes(idx_np, shape, row_bytes)
-    results.append(dict(bench=name, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
-                        hidden=h, topk=shape.topk, experts=e, ranks=shape.ranks,
-                        max_tokens=MAX_TOKENS, time_us=t * 1e6, nvlink_gbps=nv / t / 1e9,
-                        logical_gbps=lg / t / 1e9, sms=None))
-    print(f"  {name:20s} {impl:16s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
+    rec = dict(bench=name, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
+               hidden=h, topk=shape.topk, experts=e, ranks=shape.ranks,
+               max_tokens=MAX_TOKENS, time_us=t * 1e6, nvlink_gbps=nv / t / 1e9,
+               logical_gbps=lg / t / 1e9, sms=None, calls_per_step=chain)
+    if kernel is not None:
+      rec.update(sms=ll_sms(shape), kernel_us=_kernel_us(fn, args, kernel, shape.ranks))
+    results.append(rec)
+    extra = "" if kernel is None else f"  kernel {rec['kernel_us']:.1f} us, {rec['sms']} SMs"
+    print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4
   from jax_ep import _ffi_low_latency
@@ -138,7 +149,7 @@ def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row
               flush=True)
         continue
       bench("low_latency_dispatch", impl, dtype, smap(lambda x, i, f=f: f(x, i).recv_x),
-            (x, topk_idx), row)
+            (x, topk_idx), row, chain=KERNEL_CHAIN, kernel="LlDispatchKernel")
   o = ref_o(x, topk_idx)
   y = o.recv_x
   want = jax.jit(smap(lambda y, i, w, hd: jax_ep.low_latency_combine(
@@ -156,7 +167,38 @@ def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row
     if not ok:
       print(f"  low_latency_combine {impl}: DISAGREES with the reference; not timed", flush=True)
       continue
-    bench("low_latency_combine", impl, "bf16", smap(f), (y, topk_idx, w, o.handle), bf16_row)
+    bench("low_latency_combine", impl, "bf16", smap(f), (y, topk_idx, w, o.handle), bf16_row,
+          chain=KERNEL_CHAIN, kernel="LlCombineKernel")
+
+
+def ll_sms(shape: bench_normal.Shape) -> int:
+  """CTAs (one per SM) of a low-latency kernel at this shape: the handler's
+  rule (ffi/kernels/low_latency.cu, Blocks) with the default num_sms, i.e.
+  one per local expert or per 16 tokens, at most the device's SMs."""
+  import jax
+  sms = getattr(jax.devices()[0], "core_count", None) or 132
+  work = max(-(-shape.tokens // 16), shape.experts // shape.ranks)
+  return max(1, min(sms, work))
+
+
+def _kernel_us(fn, args, kernel: str, ranks: int, iters: int = 20) -> float | None:
+  """GPU time per call and per rank (µs) of the kernels whose name contains
+  `kernel`, from a jax.profiler trace of `iters`-call steps (what DeepEP
+  reports), or None when the trace cannot be read."""
+  import tempfile
+  import jax
+  import bench_grouped_gemm as bg
+  try:
+    tdir = tempfile.mkdtemp(prefix="jax_ep_ll_prof_")
+    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+      bench_normal._time_step(fn, args, iters=iters, repeats=1)
+    evs = [e for e in bg.gpu_kernel_events(tdir) if kernel in e["name"]]
+    # _time_step runs its step three times here (two warm-ups, one timed);
+    # each rank's GPU runs every call once.
+    return sum(e["dur"] for e in evs) / (3 * iters * ranks) if evs else None
+  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+    print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return None
 
 
 def main(argv=None) -> int:

@@ -178,12 +178,16 @@ def measure_and_write(name: str, json_name: str, run_fn: Callable[[], list[dict]
   path). Exit 2 without 2 GPUs or the CUDA build, 1 when every
   implementation failed; else the copy-engine ceiling of the same run is
   added and the records are written."""
-  gpus = require_two_gpus(name)
+  ranks = Shape().ranks
+  gpus = require_two_gpus(name, need=min(ranks, 2))
   if gpus is None:
     return 2, [], None
-  machine = _machine(gpus[:Shape().ranks])
-  ce, ce_note = copy_engine_gbps(gpus[:2])
-  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  machine = _machine(gpus[:ranks])
+  if ranks >= 2:
+    ce, ce_note = copy_engine_gbps(gpus[:2])
+    print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  else:  # JAX_EP_BENCH_RANKS=1: launch and local-path figures, no link to measure
+    ce, ce_note = None, "EP1: nothing crosses a link"
   records = run_fn()
   if not records:
     print(f"{name}: every implementation failed; nothing written", file=sys.stderr)
@@ -394,12 +398,14 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   return results
 
 
-def _finish(records: list[dict], ce_gbps: float, ce_note: str, machine: str) -> None:
+def _finish(records: list[dict], ce_gbps: Optional[float], ce_note: str, machine: str) -> None:
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   commit = _commit()
   for r in records:
-    r["ratio_to_copy_engine"] = (r["nvlink_gbps"] / ce_gbps) if r.get("nvlink_gbps") else None
+    r["ratio_to_copy_engine"] = (r["nvlink_gbps"] / ce_gbps) if r.get("nvlink_gbps") and ce_gbps else None
     r.update(machine=machine, date=date, commit=commit)
+  if ce_gbps is None:
+    return
   records.append(dict(bench="copy_engine", impl="copy_engine", dtype="u8", tokens_per_rank=None,
                       hidden=None, topk=None, experts=None, ranks=2, time_us=None,
                       nvlink_gbps=ce_gbps, logical_gbps=None, sms=None, ratio_to_copy_engine=1.0,
@@ -453,8 +459,9 @@ def _plot(records: list[dict], path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def require_two_gpus(name: str):
-  """The GPUs to measure on, or None after saying why nothing can be measured."""
+def require_two_gpus(name: str, need: int = 2):
+  """The GPUs to measure on (at least `need`: 2 unless a benchmark runs at
+  EP1 on purpose), or None after saying why nothing can be measured."""
   try:
     import jax
   except ImportError:
@@ -464,8 +471,8 @@ def require_two_gpus(name: str):
     gpus = jax.devices("gpu")
   except RuntimeError:
     gpus = []
-  if len(gpus) < 2:
-    print(f"{name}: needs 2 GPUs visible to JAX, found {len(gpus)} "
+  if len(gpus) < need:
+    print(f"{name}: needs {need} GPUs visible to JAX, found {len(gpus)} "
           f"(backend: {jax.default_backend()}); nothing measured.", file=sys.stderr)
     return None
   import jax_ep

@@ -385,6 +385,7 @@ void CommResources::Close() {
     if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
     if (d.gin_dev != nullptr) WarnCuda(cudaFree(d.gin_dev), "cudaFree(GIN state)");
     DestroyCeLane(d.ce);
+    DestroySideLane(d.side);
     d.gin_dev = nullptr;
     d.window_ptr = nullptr;
     d.status_host = nullptr;
@@ -546,6 +547,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
     }
     FetchPeerPointers(d);
     CheckCuda(CreateCeLane(d.ce), "creating the copy-engine stream", d.device_ordinal);
+    CheckCuda(CreateSideLane(d.side), "creating the stream of the *_start ops", d.device_ordinal);
   }
   for (auto& d : res->devices) {
     CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);

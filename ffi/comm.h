@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "engram_versions.h"
+#include "side_lane.h"
 #include "kernels/ce_push.h"
 #include "kernels/common.cuh"
 
@@ -115,6 +116,7 @@ struct DeviceResources {
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
   CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
+  SideLane side;                    // stream of dispatch_start / combine_start (side_lane.h)
   // Engram publications live in this device's window (engram_versions.h).
   std::shared_ptr<EngramVersions> engram_versions = std::make_shared<EngramVersions>();
 

@@ -18,13 +18,27 @@ Array = jax.Array
 
 
 def _call(target: str, results, *, vmap_method: "str | None" = "sequential",
-          has_side_effect: bool = False):
+          has_side_effect: bool = False, input_output_aliases: "dict[int, int] | None" = None):
   # Registration is only needed to compile, not to lower/export; skip it when
   # the CUDA build is absent so that jax.export(platforms=["cuda"]) still works.
   if _native.cuda_built():
     _native.ensure_registered()
   return jax.ffi.ffi_call(target, results, vmap_method=vmap_method,
-                          has_side_effect=has_side_effect)
+                          has_side_effect=has_side_effect,
+                          input_output_aliases=input_output_aliases)
+
+
+def side_done_cuda(results: tuple, keep: tuple, *, comm_id: int) -> tuple:
+  """`*_done` of a start/done pair (ffi/side_lane.h): XLA's stream waits for
+  the start's kernels on the communicator's side stream. `results` (the
+  start's outputs) come back aliased, so nothing reads them before the wait;
+  `keep` (the start's inputs, the compute to overlap) are operands only, so
+  XLA keeps them alive until here and computes them first."""
+  shapes = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results)
+  out = _call("jax_ep_side_done", shapes, has_side_effect=True,
+              input_output_aliases={i: i for i in range(len(results))})(
+                  *results, *keep, comm_id=np.int64(comm_id))
+  return tuple(out)
 
 
 def layout_cuda(topk_idx: Array, *, num_experts: int, num_ranks: int,

@@ -1,6 +1,8 @@
 """`jax.ffi.ffi_call` wrappers for the normal dispatch / combine kernels.
 
-Targets (ffi/handlers/dispatch.cc): "jax_ep_dispatch" and "jax_ep_combine".
+Targets (ffi/handlers/dispatch.cc): "jax_ep_dispatch" and "jax_ep_combine"
+(attribute `start`: on the communicator's side stream, for dispatch_start /
+combine_start; "jax_ep_side_done" is their done, in jax_ep._ffi).
 They run inside `shard_map` on one rank's shard (per-shard shapes). The
 argument checks with user-facing messages live in `jax_ep.ops.dispatch`;
 here only what the kernels rely on.
@@ -66,7 +68,8 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
 def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_experts: int,
                   num_ranks: int, comm_id: int, layout: str, capacity: int,
                   expert_alignment: int = 1, fp8: bool = False, ue8m0: bool = False,
-                  num_sms: int = 0, handle: Optional[DispatchHandle] = None) -> DispatchOutput:
+                  num_sms: int = 0, handle: Optional[DispatchHandle] = None,
+                  start: bool = False) -> DispatchOutput:
   """Normal dispatch on the GPU; same pytree and values as `reference.dispatch`.
 
   Args:
@@ -74,6 +77,10 @@ def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num
     topk_idx: [T, K] int32 in [-1, E). topk_weights: [T, K] float or None.
     fp8 / ue8m0: cast x to FP8 in the kernel.
     num_sms: CTAs of the data kernels (0: bandwidth model / env JAX_EP_NUM_SMS).
+    start: enqueue on the communicator's side stream (dispatch_start); the
+      results may be read only after side_done_cuda. Nothing is computed on
+      them here then: recv_topk_weights stays f32 (and present without
+      topk_weights), the done casts it.
   Returns:
     DispatchOutput (see jax_ep._types) for `layout`.
   """
@@ -103,35 +110,41 @@ def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num
       jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
   )
   (recv_x, recv_scales, recv_idx, recv_w, counts, pos, src_rank, src_token, src_k,
-   recv_counts) = _call("jax_ep_dispatch", results)(
+   recv_counts) = _call("jax_ep_dispatch", results, has_side_effect=start)(
        q, s, topk_idx.astype(jnp.int32), w,
        comm_id=np.int64(comm_id), num_experts=np.int32(num_experts),
        layout=np.int32(_LAYOUT_CODE[layout]), expert_alignment=np.int32(expert_alignment),
-       fp8_cast=np.int32(bool(fp8)), ue8m0=np.int32(bool(ue8m0)), num_sms=np.int32(num_sms))
+       fp8_cast=np.int32(bool(fp8)), ue8m0=np.int32(bool(ue8m0)), num_sms=np.int32(num_sms),
+       start=np.int32(bool(start)))
   if handle is None:
     handle = DispatchHandle(topk_idx=topk_idx, pos_in_rank=pos, recv_src_rank=src_rank,
                             recv_src_token=src_token, recv_src_k=src_k, recv_counts=recv_counts,
                             layout=layout, num_experts=num_experts, capacity=c,
                             expert_alignment=expert_alignment)
-  out_w = None if topk_weights is None else recv_w.astype(topk_weights.dtype)
+  if start:
+    out_w = recv_w
+  else:
+    out_w = None if topk_weights is None else recv_w.astype(topk_weights.dtype)
   out_x = (recv_x, recv_scales) if payload_fp8 else recv_x
   return DispatchOutput(out_x, recv_idx, out_w, counts, handle)
 
 
 def combine_cuda(y: Array, handle: DispatchHandle, weights: Optional[Array], *, num_ranks: int,
-                 comm_id: int, num_sms: int = 0) -> Array:
-  """Normal combine on the GPU: [C, H] rows -> [T, H], the reference's f32 order."""
+                 comm_id: int, num_sms: int = 0, start: bool = False) -> Array:
+  """Normal combine on the GPU: [C, H] rows -> [T, H], the reference's f32 order.
+  start: on the side stream (combine_start); read the result after side_done_cuda."""
   del num_ranks  # the communicator knows it; kept for symmetry with dispatch_cuda
   if y.dtype not in _FLOAT_DTYPES:
     raise ValueError(f"combine: y dtype must be bf16, f16 or f32, got {y.dtype}")
   t = handle.topk_idx.shape[0]
   w = (jnp.zeros((0,), jnp.float32) if weights is None else weights.astype(jnp.float32))
-  return _call("jax_ep_combine", jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype))(
+  return _call("jax_ep_combine", jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),
+               has_side_effect=start)(
       y, w, handle.topk_idx.astype(jnp.int32), handle.pos_in_rank, handle.recv_src_rank,
       handle.recv_src_token, handle.recv_src_k, handle.recv_counts,
       comm_id=np.int64(comm_id), num_experts=np.int32(handle.num_experts),
       layout=np.int32(_LAYOUT_CODE[handle.layout]), has_weights=np.int32(weights is not None),
-      num_sms=np.int32(num_sms))
+      num_sms=np.int32(num_sms), start=np.int32(bool(start)))
 
 
 # ------------------------------------------------------------ hooks for ops
@@ -143,7 +156,8 @@ def dispatch_factory(cfg):
       return dispatch_cuda(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
                            num_ranks=comm.num_ranks, comm_id=comm.comm_id, layout=cfg.layout,
                            capacity=cfg.capacity, expert_alignment=cfg.expert_alignment,
-                           fp8=cfg.fp8, ue8m0=cfg.ue8m0, handle=handle)
+                           fp8=cfg.fp8, ue8m0=cfg.ue8m0, handle=handle,
+                           start=getattr(cfg, "start", False))
     return fn
   return with_comm
 
@@ -152,6 +166,7 @@ def combine_factory(cfg):
   """cfg: jax_ep.ops.dispatch._Cfg -> (comm -> fn(y, handle, weights))."""
   def with_comm(comm):
     def fn(y, handle, weights):
-      return combine_cuda(y, handle, weights, num_ranks=comm.num_ranks, comm_id=comm.comm_id)
+      return combine_cuda(y, handle, weights, num_ranks=comm.num_ranks, comm_id=comm.comm_id,
+                          start=getattr(cfg, "start", False))
     return fn
   return with_comm

@@ -278,10 +278,12 @@ def test_fetch_after_a_dispatch_overwrote_the_table_reports_stale(comm):
         a, i, None, num_experts=E_d, axis_name=h.AXIS, backend="cuda").recv_x)
     fetch = h.per_rank_jit(comm.mesh, lambda p, i: jax_ep.engram_fetch(p, i))
     p1 = jax.block_until_ready(publish(h.put(comm.mesh, t1)))
+    assert p1.backend == "cuda" and np.all(np.asarray(p1.token) > 0), p1
     jax.block_until_ready(dispatch(h.put(comm.mesh, x), h.put(comm.mesh, tk)))
     comm.check()
     got = np.asarray(jax.block_until_ready(fetch(p1, h.put(comm.mesh, idx))))
-    assert not np.any(bits(got))
+    assert not np.any(bits(got)), (
+        f"table at {comm.num_bytes - rows * D * 2} of {comm.num_bytes} B, dispatch needs {need} B")
     with pytest.raises(EpRuntimeError, match="stale publication"):
         comm.check()
     p2 = jax.block_until_ready(publish(h.put(comm.mesh, t1)))

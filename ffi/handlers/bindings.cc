@@ -38,6 +38,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineSendExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlCombineRecvExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpSideDoneExecute);
 
 namespace jax_ep {
 
@@ -58,7 +59,7 @@ ffi::ErrorOr<std::unique_ptr<CommState>> InstantiateCommState(ffi::Dictionary at
 }
 
 ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal, const char* op,
-                         DeviceLease& lease, bool gin_data_path) {
+                         DeviceLease& lease, bool gin_data_path, bool take_status) {
   if (state == nullptr || state->resources == nullptr) {
     return ffi::Error::Internal(std::string("jax_ep ") + op + ": missing communicator state");
   }
@@ -85,6 +86,9 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
                                        " (is the op used on a mesh other than the "
                                        "Communicator's?)");
   }
+  lease.comm = comm;
+  lease.dev = dev;
+  if (!take_status) return ffi::Error::Success();
   // An error a kernel reported since the last call surfaces now, before more
   // work goes onto a communicator in an unknown state.
   std::string msg = comm->TakeStatusMessage(*dev);
@@ -331,6 +335,7 @@ void RegisterCudaBindings(nb::module_& m) {
     d["jax_ep_ll_combine"] = Bundle(JaxEpLlCombineExecute);
     d["jax_ep_ll_combine_send"] = Bundle(JaxEpLlCombineSendExecute);
     d["jax_ep_ll_combine_recv"] = Bundle(JaxEpLlCombineRecvExecute);
+    d["jax_ep_side_done"] = Bundle(JaxEpSideDoneExecute);
     nb::dict stateless;  // needs no communicator: execute stage only
     stateless["execute"] = HandlerCapsule(JaxEpGroupedGemmExecute);
     d["jax_ep_grouped_gemm"] = stateless;

@@ -40,7 +40,7 @@ bool ToEpDtype(ffi::DataType t, EpDtype* out) {
 ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                            int64_t comm_id, int32_t num_experts, int32_t layout,
                            int32_t expert_alignment, int32_t fp8_cast, int32_t ue8m0, int32_t num_sms,
-                           ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
+                           int32_t start, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
                            ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                            ffi::Result<ffi::AnyBuffer> recv_x,
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
@@ -52,7 +52,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_src_token,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_src_k,
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
-  constexpr const char* kOp = "dispatch";
+  const char* kOp = start ? "dispatch_start" : "dispatch";
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
@@ -126,21 +126,26 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   if (std::string msg = ValidateDispatch(a, peers); !msg.empty()) return Invalid(kOp, msg);
   // Engram tables this dispatch's window area overwrites are stale from now
   // on: a later fetch of one reports it instead of reading these rows.
+  cudaStream_t s = stream;
+  if (ffi::Error err = EnterStream(*lease.dev, kOp, start ? kOp : nullptr, stream, &s); err.failure()) {
+    return err;
+  }
   lease.dev->engram_versions->Invalidate(0, DispatchWindowNeed(a, peers.nranks));
-  if (cudaError_t err = LaunchDispatch(a, peers, stream, CeLaneFor(*lease.dev)); err != cudaSuccess) {
+  if (cudaError_t err = LaunchDispatch(a, peers, s, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
-  return ffi::Error::Success();
+  return LeaveStream(*lease.dev, start ? kOp : nullptr);
 }
 
 ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                           int64_t comm_id, int32_t num_experts, int32_t layout, int32_t has_weights,
-                          int32_t num_sms, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
+                          int32_t num_sms, int32_t start, ffi::AnyBuffer y,
+                          ffi::Buffer<ffi::F32> weights,
                           ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> pos_in_rank,
                           ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
                           ffi::Buffer<ffi::S32> recv_src_k, ffi::Buffer<ffi::S32> recv_counts,
                           ffi::Result<ffi::AnyBuffer> out) {
-  constexpr const char* kOp = "combine";
+  const char* kOp = start ? "combine_start" : "combine";
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
@@ -183,12 +188,16 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   a.num_sms = num_sms;
   a.out = out->untyped_data();
   if (std::string msg = ValidateCombine(a, peers); !msg.empty()) return Invalid(kOp, msg);
+  cudaStream_t s = stream;
+  if (ffi::Error err = EnterStream(*lease.dev, kOp, start ? kOp : nullptr, stream, &s); err.failure()) {
+    return err;
+  }
   lease.dev->engram_versions->Invalidate(
       0, CombineWindowBytes(peers.nranks, a.num_tokens, a.hidden, a.topk, a.y_dtype, a.layout));
-  if (cudaError_t err = LaunchCombine(a, peers, stream, CeLaneFor(*lease.dev)); err != cudaSuccess) {
+  if (cudaError_t err = LaunchCombine(a, peers, s, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }
-  return ffi::Error::Success();
+  return LeaveStream(*lease.dev, start ? kOp : nullptr);
 }
 
 }  // namespace
@@ -202,6 +211,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchExecute, jax_ep::DispatchExecute,
                                   .Attr<int32_t>("fp8_cast")
                                   .Attr<int32_t>("ue8m0")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("start")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
@@ -223,6 +233,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineExecute, jax_ep::CombineExecute,
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("has_weights")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("start")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

@@ -142,6 +142,8 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
+  // A publish writes the window; a pending start's kernels may be using it.
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (token->element_count() != 1) return Invalid(kOp, "token must be s32 [1]");
   EngramPublishArgs a;
   size_t row_bytes = 0;
@@ -192,6 +194,8 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
+  // A publish writes the window; a pending start's kernels may be using it.
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (rows->element_type() != table.element_type())
     return Invalid(kOp, "rows must have the table's dtype");
   if (rows->dimensions().size() == 3 && table.dimensions().size() == 2 &&

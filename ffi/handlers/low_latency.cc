@@ -126,6 +126,7 @@ ffi::Error LlDispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommSt
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
     return err;
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kDispatchOp, peers, num_experts, reserved_bytes); err.failure())
     return err;
@@ -151,6 +152,7 @@ ffi::Error LlDispatchSendExecute(cudaStream_t stream, int32_t device_ordinal, Co
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
     return err;
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
   if (ffi::Error err = CheckConfig(kDispatchOp, lease.dev->peers(), num_experts, reserved_bytes);
       err.failure())
     return err;
@@ -175,6 +177,7 @@ ffi::Error LlDispatchRecvExecute(cudaStream_t stream, int32_t device_ordinal, Co
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
     return err;
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kDispatchOp, peers, num_experts, reserved_bytes); err.failure())
     return err;
@@ -256,6 +259,7 @@ ffi::Error LlCombineExecute(cudaStream_t stream, int32_t device_ordinal, CommSta
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
     return err;
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kCombineOp, peers, num_experts, reserved_bytes); err.failure())
     return err;
@@ -284,6 +288,7 @@ ffi::Error LlCombineSendExecute(cudaStream_t stream, int32_t device_ordinal, Com
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
     return err;
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kCombineOp, peers, num_experts, reserved_bytes); err.failure())
     return err;
@@ -312,6 +317,7 @@ ffi::Error LlCombineRecvExecute(cudaStream_t stream, int32_t device_ordinal, Com
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
     return err;
+  if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
   if (ffi::Error err = CheckConfig(kCombineOp, lease.dev->peers(), num_experts, reserved_bytes);
       err.failure())
     return err;

@@ -42,8 +42,48 @@ struct DeviceLease {
 // status word (the message names the op and cause). `op` names the caller.
 // Unless `gin_data_path` (the op's kernels branch on EpPeers::gin_mask
 // wherever they touch a peer), a communicator with GIN peers is refused.
+// take_status: surface (and clear) an error a kernel reported since the last
+// call; only a *_done skips it, so that it always releases its start.
 ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal,
-                         const char* op, DeviceLease& lease, bool gin_data_path = false);
+                         const char* op, DeviceLease& lease, bool gin_data_path = false,
+                         bool take_status = true);
+
+// A window op on a device whose side lane has a start without its done is
+// refused: the start's kernels may still be using the window. The refusal
+// ends that program, so its done never comes: XLA's stream takes over the
+// wait and the lane is free again, and the next program works.
+inline ffi::Error RefuseWhileStartPending(DeviceResources& d, const char* op, cudaStream_t xla) {
+  if (d.side.pending == nullptr) return ffi::Error::Success();
+  const std::string start = d.side.pending;
+  SideJoin(d.side, xla);
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string("jax_ep ") + op + ": a " + start +
+                        " on this device has no matching *_done yet; one start/done pair at a "
+                        "time, and no other dispatch, combine, low-latency op or Engram publish "
+                        "in between");
+}
+
+// The stream an op enqueues on: XLA's, or for a *_start (`start_op` not
+// null) the device's side lane after everything already on XLA's stream.
+inline ffi::Error EnterStream(DeviceResources& d, const char* op, const char* start_op,
+                              cudaStream_t xla, cudaStream_t* s) {
+  if (ffi::Error err = RefuseWhileStartPending(d, op, xla); err.failure()) return err;
+  *s = xla;
+  if (start_op == nullptr) return ffi::Error::Success();
+  if (cudaError_t err = SideBegin(d.side, xla, s); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_ep ") + start_op + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+// After a *_start's launches: its done waits for them.
+inline ffi::Error LeaveStream(DeviceResources& d, const char* start_op) {
+  if (start_op == nullptr) return ffi::Error::Success();
+  if (cudaError_t err = SideEnd(d.side, start_op); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_ep ") + start_op + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
 
 // The part of every execute binding that is the same for all jax_ep targets:
 // stream, device ordinal, the shared state and the `comm_id` attribute, in

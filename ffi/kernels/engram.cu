@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(kFetchThreads)
   const uint64_t V = static_cast<uint64_t>(a.rows_per_rank) * p.nranks;
   const uint32_t stride = gridDim.x * blockDim.x;
   // A stale publication reads nothing: every index counts as -1 (zeros).
-  const bool stale = a.token != nullptr && __ldg(a.token) != a.version;
+  // Version 0 means no live publication there, whatever the token says (a
+  // failed publish also leaves 0 in its token).
+  const bool stale = a.token != nullptr && (a.version == 0 || __ldg(a.token) != a.version);
   if (stale && blockIdx.x == 0 && threadIdx.x == 0) {
     report_error(p, Op::kEngramFetch, Cause::kStalePublication);
   }

@@ -44,7 +44,9 @@ def run(backend: Optional[str], axis_name: str, reference: Callable,
     return vary(cuda(c)(*args), axis_name)
   if c is None:
     return reference(*args)
-  return lax.platform_dependent(*args, default=reference,
+  # Both branches get one type under check_vma: a reference branch may
+  # return values that do not vary over the axis (a constant token).
+  return lax.platform_dependent(*args, default=lambda *a: vary(reference(*a), axis_name),
                                 cuda=lambda *a: vary(cuda(c)(*a), axis_name))
 
 

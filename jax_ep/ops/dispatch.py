@@ -31,6 +31,7 @@ class _Cfg:
   fp8: bool
   ue8m0: bool
   backend: Optional[str]
+  start: bool = False  # on the communicator's side stream (jax_ep.ops.overlap)
 
 
 def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = None, *,
@@ -59,6 +60,23 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
     DispatchOutput(recv_x, recv_topk_idx, recv_topk_weights, counts, handle);
     see `jax_ep.DispatchOutput` for the shapes of each layout.
   """
+  cfg, num_ranks, t = _dispatch_cfg(x, topk_idx, topk_weights, num_experts=num_experts,
+                                    axis_name=axis_name, layout=layout, capacity=capacity,
+                                    expert_alignment=expert_alignment, fp8=fp8, ue8m0=ue8m0,
+                                    handle=handle, backend=backend)
+  if t == 0:
+    return _empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks)
+  if fp8 or is_fp8_pair(x):
+    # FP8 payloads are forward-only: nothing flows back into x through them.
+    x = jax.tree.map(jax.lax.stop_gradient, x)
+    return _dispatch_impl(cfg, x, topk_idx, topk_weights, handle)
+  return _dispatch_vjp(cfg, x, topk_idx, topk_weights, handle)
+
+
+def _dispatch_cfg(x, topk_idx, topk_weights, *, num_experts, axis_name, layout, capacity,
+                  expert_alignment, fp8, ue8m0, handle, backend) -> tuple[_Cfg, int, int]:
+  """The checked configuration of a dispatch: (cfg, R, T); raises ValueError
+  naming the bad argument."""
   num_ranks = ref.axis_size(axis_name)
   _backend.check_backend(backend)
   t, _ = check_x(x, fp8=fp8)
@@ -79,13 +97,7 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
                                     num_experts=num_experts, expert_alignment=expert_alignment)
   cfg = _Cfg(num_experts, axis_name, layout, int(capacity), int(expert_alignment), bool(fp8),
              bool(ue8m0), backend)
-  if t == 0:
-    return _empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks)
-  if fp8 or is_fp8_pair(x):
-    # FP8 payloads are forward-only: nothing flows back into x through them.
-    x = jax.tree.map(jax.lax.stop_gradient, x)
-    return _dispatch_impl(cfg, x, topk_idx, topk_weights, handle)
-  return _dispatch_vjp(cfg, x, topk_idx, topk_weights, handle)
+  return cfg, num_ranks, t
 
 
 def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
@@ -104,6 +116,15 @@ def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] =
   Returns:
     [T, H] in y's dtype.
   """
+  cfg = _combine_cfg(y, handle, weights, axis_name=axis_name, backend=backend)
+  if handle.topk_idx.shape[0] == 0:
+    return jnp.zeros((0, y.shape[1]), y.dtype)
+  return _combine_vjp(cfg, y, handle, weights)
+
+
+def _combine_cfg(y, handle, weights, *, axis_name, backend) -> _Cfg:
+  """The checked configuration of a combine; raises ValueError naming the
+  bad argument."""
   _backend.check_backend(backend)
   if not isinstance(handle, DispatchHandle):
     raise ValueError(f"handle must be a DispatchHandle from dispatch, got {type(handle).__name__}")
@@ -112,11 +133,8 @@ def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] =
     raise ValueError(f"y must be [C={c}, H] (the dispatch capacity), got shape {list(y.shape)}")
   if weights is not None and weights.shape != (c,):
     raise ValueError(f"weights must be [C={c}] per-row weights, got shape {list(weights.shape)}")
-  cfg = _Cfg(handle.num_experts, axis_name, handle.layout, c, handle.expert_alignment, False,
-             False, backend)
-  if handle.topk_idx.shape[0] == 0:
-    return jnp.zeros((0, y.shape[1]), y.dtype)
-  return _combine_vjp(cfg, y, handle, weights)
+  return _Cfg(handle.num_experts, axis_name, handle.layout, c, handle.expert_alignment, False,
+              False, backend)
 
 
 # ------------------------------------------------------------ implementations

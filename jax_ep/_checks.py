@@ -81,6 +81,17 @@ def check_positive(name: str, value, *, allow_none: bool = False) -> None:
     raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def check_sms(num_sms, recv_sms) -> tuple[int, int]:
+  """The data kernels' CTA counts as (num_sms, recv_sms), 0 meaning the
+  bandwidth model's choice; raises ValueError naming a bad one."""
+  for name, v in (("num_sms", num_sms), ("recv_sms", recv_sms)):
+    if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
+      raise ValueError(f"{name} must be None (the model's choice) or an int >= 1, got {v!r}")
+  if num_sms is not None and recv_sms is not None and recv_sms >= num_sms:
+    raise ValueError(f"recv_sms ({recv_sms}) must be below num_sms ({num_sms}): some CTAs send")
+  return int(num_sms or 0), int(recv_sms or 0)
+
+
 def raise_if(bad: jax.Array, message: str, *details: jax.Array, axis_name: str) -> None:
   """Raises EpRuntimeError(message.format(*details)) when `bad` is true on any
   rank of `axis_name` at run time.

@@ -68,7 +68,7 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
 def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_experts: int,
                   num_ranks: int, comm_id: int, layout: str, capacity: int,
                   expert_alignment: int = 1, fp8: bool = False, ue8m0: bool = False,
-                  num_sms: int = 0, handle: Optional[DispatchHandle] = None,
+                  num_sms: int = 0, recv_sms: int = 0, handle: Optional[DispatchHandle] = None,
                   start: bool = False) -> DispatchOutput:
   """Normal dispatch on the GPU; same pytree and values as `reference.dispatch`.
 
@@ -76,7 +76,8 @@ def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num
     x: [T, H] bf16/f16/f32 or an FP8 pair (q [T, H] e4m3, scales [T, H/128] f32).
     topk_idx: [T, K] int32 in [-1, E). topk_weights: [T, K] float or None.
     fp8 / ue8m0: cast x to FP8 in the kernel.
-    num_sms: CTAs of the data kernels (0: bandwidth model / env JAX_EP_NUM_SMS).
+    num_sms: CTAs of the data kernels (0: bandwidth model / env JAX_EP_NUM_SMS);
+    recv_sms: of them receiving (0: the model's share / env JAX_EP_RECV_SMS).
     start: enqueue on the communicator's side stream (dispatch_start); the
       results may be read only after side_done_cuda. Nothing is computed on
       them here then: recv_topk_weights stays f32 (and present without
@@ -115,7 +116,7 @@ def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num
        comm_id=np.int64(comm_id), num_experts=np.int32(num_experts),
        layout=np.int32(_LAYOUT_CODE[layout]), expert_alignment=np.int32(expert_alignment),
        fp8_cast=np.int32(bool(fp8)), ue8m0=np.int32(bool(ue8m0)), num_sms=np.int32(num_sms),
-       start=np.int32(bool(start)))
+       recv_sms=np.int32(recv_sms), start=np.int32(bool(start)))
   if handle is None:
     handle = DispatchHandle(topk_idx=topk_idx, pos_in_rank=pos, recv_src_rank=src_rank,
                             recv_src_token=src_token, recv_src_k=src_k, recv_counts=recv_counts,
@@ -130,7 +131,8 @@ def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num
 
 
 def combine_cuda(y: Array, handle: DispatchHandle, weights: Optional[Array], *, num_ranks: int,
-                 comm_id: int, num_sms: int = 0, start: bool = False) -> Array:
+                 comm_id: int, num_sms: int = 0, recv_sms: int = 0,
+                 start: bool = False) -> Array:
   """Normal combine on the GPU: [C, H] rows -> [T, H], the reference's f32 order.
   start: on the side stream (combine_start); read the result after side_done_cuda."""
   del num_ranks  # the communicator knows it; kept for symmetry with dispatch_cuda
@@ -144,7 +146,7 @@ def combine_cuda(y: Array, handle: DispatchHandle, weights: Optional[Array], *, 
       handle.recv_src_token, handle.recv_src_k, handle.recv_counts,
       comm_id=np.int64(comm_id), num_experts=np.int32(handle.num_experts),
       layout=np.int32(_LAYOUT_CODE[handle.layout]), has_weights=np.int32(weights is not None),
-      num_sms=np.int32(num_sms), start=np.int32(bool(start)))
+      num_sms=np.int32(num_sms), recv_sms=np.int32(recv_sms), start=np.int32(bool(start)))
 
 
 # ------------------------------------------------------------ hooks for ops
@@ -156,8 +158,8 @@ def dispatch_factory(cfg):
       return dispatch_cuda(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
                            num_ranks=comm.num_ranks, comm_id=comm.comm_id, layout=cfg.layout,
                            capacity=cfg.capacity, expert_alignment=cfg.expert_alignment,
-                           fp8=cfg.fp8, ue8m0=cfg.ue8m0, handle=handle,
-                           start=getattr(cfg, "start", False))
+                           fp8=cfg.fp8, ue8m0=cfg.ue8m0, handle=handle, start=cfg.start,
+                           num_sms=cfg.num_sms, recv_sms=cfg.recv_sms)
     return fn
   return with_comm
 
@@ -167,6 +169,6 @@ def combine_factory(cfg):
   def with_comm(comm):
     def fn(y, handle, weights):
       return combine_cuda(y, handle, weights, num_ranks=comm.num_ranks, comm_id=comm.comm_id,
-                          start=getattr(cfg, "start", False))
+                          start=cfg.start, num_sms=cfg.num_sms, recv_sms=cfg.recv_sms)
     return fn
   return with_comm

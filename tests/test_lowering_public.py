@@ -145,3 +145,39 @@ def test_engram_cuda_still_raises_where_auto_falls_back(small_fake_comm):
   with pytest.raises(ValueError, match="16 bytes"):
     jax.jit(f).lower(jax.ShapeDtypeStruct((R * 16, 4), jnp.bfloat16),
                      jax.ShapeDtypeStruct((R * 8, 3), jnp.int32))
+
+
+@pytest.mark.parametrize("num_sms,recv_sms", [(None, None), (16, 4)])
+def test_num_sms_and_recv_sms_reach_the_kernels_as_attributes(fake_comm, num_sms, recv_sms):
+  R, T, H, K, E = 2, 16, 256, 4, 16
+  devs = jax.devices()[:R]
+  if len(devs) < R:
+    pytest.skip("needs 2 devices")
+  mesh = Mesh(np.array(devs), ("ep",))
+
+  def per_rank(x, idx):
+    o = jax_ep.dispatch(x, idx, None, num_experts=E, num_sms=num_sms, recv_sms=recv_sms)
+    return jax_ep.combine(o.recv_x, o.handle, num_sms=num_sms, recv_sms=recv_sms)
+
+  f = jax_ep.shard_map(per_rank, mesh)
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
+  text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+      jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+      jax.ShapeDtypeStruct((R * T, K), jnp.int32)).mlir_module()
+  for target in ("jax_ep_dispatch", "jax_ep_combine"):
+    lines = [l for l in text.splitlines() if target + '"' in l or "@" + target + "(" in l]
+    assert len(lines) == 1, target
+    assert f"num_sms = {num_sms or 0} : i32" in lines[0], lines[0][:600]
+    assert f"recv_sms = {recv_sms or 0} : i32" in lines[0], lines[0][:600]
+
+
+@pytest.mark.parametrize("kw,match", [(dict(num_sms=0), "num_sms"), (dict(recv_sms=-1), "recv_sms"),
+                                      (dict(num_sms=8, recv_sms=8), "below num_sms"),
+                                      (dict(num_sms=2.5), "num_sms")])
+def test_bad_sm_counts_raise_naming_the_argument(kw, match):
+  devs = jax.devices()[:2]
+  mesh = Mesh(np.array(devs), ("ep",))
+  f = jax_ep.shard_map(lambda x, i: jax_ep.dispatch(x, i, None, num_experts=4, **kw).recv_x, mesh)
+  with pytest.raises(ValueError, match=match):
+    jax.jit(f).lower(jax.ShapeDtypeStruct((len(devs) * 8, 128), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((len(devs) * 8, 2), jnp.int32))

@@ -40,7 +40,7 @@ bool ToEpDtype(ffi::DataType t, EpDtype* out) {
 ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                            int64_t comm_id, int32_t num_experts, int32_t layout,
                            int32_t expert_alignment, int32_t fp8_cast, int32_t ue8m0, int32_t num_sms,
-                           int32_t start, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
+                           int32_t recv_sms, int32_t start, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
                            ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                            ffi::Result<ffi::AnyBuffer> recv_x,
                            ffi::Result<ffi::Buffer<ffi::F32>> recv_scales,
@@ -82,6 +82,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   a.expert_alignment = expert_alignment;
   a.layout = layout == 1 ? EpLayout::kExpert : EpLayout::kRank;
   a.num_sms = num_sms;
+  a.recv_sms = recv_sms;
 
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
   const bool fp8 = fp8_in || a.cast_fp8;
@@ -139,7 +140,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
 
 ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                           int64_t comm_id, int32_t num_experts, int32_t layout, int32_t has_weights,
-                          int32_t num_sms, int32_t start, ffi::AnyBuffer y,
+                          int32_t num_sms, int32_t recv_sms, int32_t start, ffi::AnyBuffer y,
                           ffi::Buffer<ffi::F32> weights,
                           ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> pos_in_rank,
                           ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
@@ -186,6 +187,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   a.capacity = static_cast<int>(C);
   a.layout = layout == 1 ? EpLayout::kExpert : EpLayout::kRank;
   a.num_sms = num_sms;
+  a.recv_sms = recv_sms;
   a.out = out->untyped_data();
   if (std::string msg = ValidateCombine(a, peers); !msg.empty()) return Invalid(kOp, msg);
   cudaStream_t s = stream;
@@ -211,6 +213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchExecute, jax_ep::DispatchExecute,
                                   .Attr<int32_t>("fp8_cast")
                                   .Attr<int32_t>("ue8m0")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("recv_sms")
                                   .Attr<int32_t>("start")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
@@ -233,6 +236,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineExecute, jax_ep::CombineExecute,
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("has_weights")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("recv_sms")
                                   .Attr<int32_t>("start")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

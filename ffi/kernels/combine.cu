@@ -530,7 +530,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   }
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
-  SplitDataBlocks(a.num_sms, c.T, kThreads / 32, R, 0.5, &send_blocks, &recv_blocks);
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, kThreads / 32, R, 0.5, &send_blocks, &recv_blocks);
   if (recv_blocks == 0) recv_blocks = std::max(1, send_blocks / 2);  // one rank: reducers only matter
   const int grid = send_blocks + recv_blocks;
   switch (a.y_dtype) {

@@ -788,15 +788,17 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
   return std::max(1, std::min(cap, needed));
 }
 
-void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
-                     double recv_share, int* send_blocks, int* recv_blocks) {
+void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
+                     int num_ranks, double recv_share, int* send_blocks, int* recv_blocks) {
   const int total = ChooseNumBlocks(requested, work_items, warps_per_block, num_ranks);
   static const int env_recv = EnvInt("JAX_EP_RECV_SMS");
   int q = 0;
   if (num_ranks > 1) {
     // At least one of each, also when the work needs a single CTA: remote
     // rows are only ever consumed by receivers.
-    q = env_recv > 0 ? env_recv : static_cast<int>(std::lround(total * recv_share));
+    q = recv_requested > 0 ? recv_requested
+        : env_recv > 0     ? env_recv
+                           : static_cast<int>(std::lround(total * recv_share));
     q = std::min(std::max(q, 1), std::max(total - 1, 1));
   }
   *recv_blocks = q;
@@ -881,7 +883,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   // Receivers copy HBM to HBM what the link brings in: half of the CTAs
   // (measured: 12/12 of 24 beat 16/8 by 9 us at the Normal shape); a quarter
   // when the senders also quantise and the rows are half as long.
-  SplitDataBlocks(a.num_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, &send_blocks, &recv_blocks);
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, &send_blocks,
+                  &recv_blocks);
   const int grid = send_blocks + recv_blocks;
   if (!cast) {
     DispatchDataKernel<uint8_t, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);

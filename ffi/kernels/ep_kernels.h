@@ -26,10 +26,11 @@
 namespace jax_ep {
 
 // Splits the data kernel's CTAs (ChooseNumBlocks) into senders and
-// receivers (dispatch) / reducers (combine), `recv_share` of them receiving;
-// JAX_EP_RECV_SMS overrides the receivers' count. Read once.
-void SplitDataBlocks(int requested, int work_items, int warps_per_block, int num_ranks,
-                     double recv_share, int* send_blocks, int* recv_blocks);
+// receivers (dispatch) / reducers (combine): `recv_requested` of them
+// (the op's recv_sms argument) if > 0, else JAX_EP_RECV_SMS (debugging, read
+// once) if set, else `recv_share` of them.
+void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
+                     int num_ranks, double recv_share, int* send_blocks, int* recv_blocks);
 
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
@@ -53,6 +54,7 @@ struct DispatchArgs {
   int expert_alignment = 1;
   EpLayout layout = EpLayout::kRank;
   int num_sms = 0;                     // CTAs of the data kernels; 0 = model / env
+  int recv_sms = 0;                    // of them receiving; 0 = model / env
   // Outputs.
   void* recv_x = nullptr;              // [C, H] (e4m3 when FP8)
   float* recv_scales = nullptr;        // [C, H/128] when FP8 (input or cast), else null
@@ -83,6 +85,7 @@ struct CombineArgs {
   int capacity = 0;                       // C
   EpLayout layout = EpLayout::kRank;
   int num_sms = 0;
+  int recv_sms = 0;                       // reducers among num_sms; 0 = model / env
   void* out = nullptr;                    // [T, H] of y_dtype
 };
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import reference as ref
-from jax_ep._checks import check_positive, check_routing, check_x, is_fp8_pair
+from jax_ep._checks import check_positive, check_routing, check_sms, check_x, is_fp8_pair
 from jax_ep._types import DispatchHandle, DispatchOutput
 from jax_ep.ops import _backend
 
@@ -32,12 +32,15 @@ class _Cfg:
   ue8m0: bool
   backend: Optional[str]
   start: bool = False  # on the communicator's side stream (jax_ep.ops.overlap)
+  num_sms: int = 0     # CUDA: CTAs of the data kernels, 0 = the bandwidth model's
+  recv_sms: int = 0    # CUDA: of them receiving / reducing, 0 = the model's
 
 
 def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = None, *,
              num_experts: int, axis_name: str = "ep", layout: str = "rank",
              capacity: Optional[int] = None, expert_alignment: int = 1, fp8: bool = False,
              ue8m0: bool = False, handle: Optional[DispatchHandle] = None,
+             num_sms: Optional[int] = None, recv_sms: Optional[int] = None,
              backend: Optional[str] = None) -> DispatchOutput:
   """Sends each token to the ranks (rank layout) or experts (expert layout) it chose.
 
@@ -56,6 +59,9 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
       `ue8m0` rounds the scales up to powers of two.
     handle: from an earlier dispatch with the same routing: skip the layout
       work (cached dispatch); `capacity`/`layout` come from the handle.
+    num_sms, recv_sms: CUDA kernels only (static): CTAs (one per SM) of the
+      data kernel and how many of them receive; None = the bandwidth model's
+      choice (24 at most). The reference ignores them.
   Returns:
     DispatchOutput(recv_x, recv_topk_idx, recv_topk_weights, counts, handle);
     see `jax_ep.DispatchOutput` for the shapes of each layout.
@@ -64,6 +70,7 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
                                     axis_name=axis_name, layout=layout, capacity=capacity,
                                     expert_alignment=expert_alignment, fp8=fp8, ue8m0=ue8m0,
                                     handle=handle, backend=backend)
+  cfg = dataclasses.replace(cfg, **_sms(num_sms, recv_sms))
   if t == 0:
     return _empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks)
   if fp8 or is_fp8_pair(x):
@@ -101,7 +108,8 @@ def _dispatch_cfg(x, topk_idx, topk_weights, *, num_experts, axis_name, layout, 
 
 
 def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
-            axis_name: str = "ep", backend: Optional[str] = None) -> jax.Array:
+            axis_name: str = "ep", num_sms: Optional[int] = None,
+            recv_sms: Optional[int] = None, backend: Optional[str] = None) -> jax.Array:
   """Returns each row to its source token and sums (inside shard_map).
 
   out[t] = sum over rows from token t of w_row * y[row], accumulated in
@@ -113,13 +121,20 @@ def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] =
     handle: the DispatchHandle of that dispatch.
     weights: [C] per-row weights (e.g. expert layout's recv_topk_weights), or
       None for a plain sum.
+    num_sms, recv_sms: as in `dispatch` (recv_sms: the reducing CTAs).
   Returns:
     [T, H] in y's dtype.
   """
   cfg = _combine_cfg(y, handle, weights, axis_name=axis_name, backend=backend)
+  cfg = dataclasses.replace(cfg, **_sms(num_sms, recv_sms))
   if handle.topk_idx.shape[0] == 0:
     return jnp.zeros((0, y.shape[1]), y.dtype)
   return _combine_vjp(cfg, y, handle, weights)
+
+
+def _sms(num_sms, recv_sms) -> dict:
+  n, q = check_sms(num_sms, recv_sms)
+  return dict(num_sms=n, recv_sms=q)
 
 
 def _combine_cfg(y, handle, weights, *, axis_name, backend) -> _Cfg:

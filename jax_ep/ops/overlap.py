@@ -61,12 +61,15 @@ class PendingCombine:
 def dispatch_start(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = None, *,
                    num_experts: int, axis_name: str = "ep", layout: str = "rank",
                    capacity: Optional[int] = None, expert_alignment: int = 1, fp8: bool = False,
-                   ue8m0: bool = False, backend: Optional[str] = None) -> PendingDispatch:
+                   ue8m0: bool = False, num_sms: Optional[int] = None,
+                   recv_sms: Optional[int] = None,
+                   backend: Optional[str] = None) -> PendingDispatch:
   """Starts `jax_ep.dispatch` (same arguments, no `handle`); see the module doc."""
   cfg, num_ranks, t = _d._dispatch_cfg(
       x, topk_idx, topk_weights, num_experts=num_experts, axis_name=axis_name, layout=layout,
       capacity=capacity, expert_alignment=expert_alignment, fp8=fp8, ue8m0=ue8m0, handle=None,
       backend=backend)
+  cfg = dataclasses.replace(cfg, **_d._sms(num_sms, recv_sms))
   if t == 0:
     out = _d._empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks)
     return PendingDispatch(out, x, topk_weights, cfg, on_side=False)
@@ -93,9 +96,12 @@ def dispatch_done(pending: PendingDispatch, *, after: Any = None) -> DispatchOut
 
 
 def combine_start(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
-                  axis_name: str = "ep", backend: Optional[str] = None) -> PendingCombine:
+                  axis_name: str = "ep", num_sms: Optional[int] = None,
+                  recv_sms: Optional[int] = None,
+                  backend: Optional[str] = None) -> PendingCombine:
   """Starts `jax_ep.combine` (same arguments); see the module doc."""
   cfg = _d._combine_cfg(y, handle, weights, axis_name=axis_name, backend=backend)
+  cfg = dataclasses.replace(cfg, **_d._sms(num_sms, recv_sms))
   if handle.topk_idx.shape[0] == 0:
     return PendingCombine(jnp.zeros((0, y.shape[1]), y.dtype), y, handle, weights, cfg,
                           on_side=False)

@@ -1,0 +1,335 @@
+"""Example training run: a small MoE transformer learns a synthetic sequence task.
+
+    python -m jax_ep.train [--steps 30] [--backend reference] [--compare-backends] ...
+
+Token embedding + learned positions, `--layers` blocks of causal
+self-attention and a jax_ep.nn.MoE feed-forward (pre-RMSNorm, residuals), an
+output head; cross-entropy on the next token, optax adam. The data: each
+sequence starts with two random tokens, then x[t+1] = (perm[x[t]] +
+x[t-1] % 2) % vocab for a fixed random permutation, so the loss falls from
+log(vocab) as the model learns the permutation (from x[t] alone) and then
+the parity bit (by attending to x[t-1]).
+
+Runs on whatever devices exist: GPUs with the CUDA kernels when jax_ep was
+built with CUDA (a Communicator on the EP axis), else 8 virtual CPU devices
+with the pure-JAX reference. `--backend reference` forces the reference;
+`--compare-backends` trains twice from the same start, kernels and
+reference, and reports how far the loss curves drift apart. Several
+processes: `--coordinator HOST:PORT --num-processes N --process-id I`
+(jax.distributed); only process 0 prints and writes files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Callable, Optional
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep.mesh import place_replicated  # noqa: E402
+from jax_ep.nn import MoE  # noqa: E402
+
+BACKENDS = {"auto": None, "reference": "reference", "cuda": "cuda"}
+
+
+# ------------------------------------------------------------------ data
+
+def task_permutation(vocab: int, *, seed: int = 0) -> np.ndarray:
+  """The task's fixed permutation of the vocabulary."""
+  return np.random.default_rng(seed).permutation(vocab).astype(np.int32)
+
+
+def make_batch(rng: np.random.Generator, perm: np.ndarray, *, batch: int,
+               seq: int) -> np.ndarray:
+  """[batch, seq + 1] int32 sequences of the task (module docstring)."""
+  vocab = len(perm)
+  x = np.empty((batch, seq + 1), np.int32)
+  x[:, :2] = rng.integers(0, vocab, (batch, 2))
+  for t in range(1, seq):
+    x[:, t + 1] = (perm[x[:, t]] + x[:, t - 1] % 2) % vocab
+  return x
+
+
+# ------------------------------------------------------------------ model
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def causal_attention(x: jax.Array, wqkv: jax.Array, wo: jax.Array, *, heads: int) -> jax.Array:
+  """Multi-head causal self-attention: x [B, S, H], wqkv [H, 3H], wo [H, H] -> [B, S, H]."""
+  b, s, h = x.shape
+  q, k, v = jnp.split((x @ wqkv).reshape(b, s, 3 * heads, h // heads), 3, axis=2)
+  logits = jnp.einsum("bqnd,bknd->bnqk", q, k) / math.sqrt(h // heads)
+  causal = jnp.tril(jnp.ones((s, s), bool))
+  probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+  return jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h) @ wo
+
+
+class Block(nnx.Module):
+  """h + Attn(RMSNorm(h)), then + MoE(RMSNorm(h))."""
+
+  def __init__(self, hidden: int, *, heads: int, moe: MoE, rngs: nnx.Rngs):
+    init = jax.nn.initializers.lecun_normal()
+    self.heads = heads
+    self.attn_norm = nnx.Param(jnp.ones((hidden,), jnp.float32))
+    self.wqkv = nnx.Param(init(rngs.params(), (hidden, 3 * hidden), jnp.float32))
+    self.wo = nnx.Param(init(rngs.params(), (hidden, hidden), jnp.float32))
+    self.moe_norm = nnx.Param(jnp.ones((hidden,), jnp.float32))
+    self.moe = moe
+
+  def __call__(self, h: jax.Array) -> jax.Array:
+    h = h + causal_attention(rms_norm(h, self.attn_norm[...]), self.wqkv[...], self.wo[...],
+                             heads=self.heads)
+    return h + self.moe(rms_norm(h, self.moe_norm[...]))
+
+
+class MoETransformer(nnx.Module):
+  """tokens [B, S] -> next-token logits [B, S, vocab] (f32)."""
+
+  def __init__(self, *, vocab: int, seq: int, hidden: int, heads: int, layers: int,
+               moe: Callable[[nnx.Rngs], MoE], remat: bool = False, rngs: nnx.Rngs):
+    if hidden % heads:
+      raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+    self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, hidden), jnp.float32))
+    self.pos = nnx.Param(0.1 * jax.random.normal(rngs.params(), (seq, hidden), jnp.float32))
+    self.blocks = nnx.List([Block(hidden, heads=heads, moe=moe(rngs), rngs=rngs)
+                            for _ in range(layers)])
+    self.norm = nnx.Param(jnp.ones((hidden,), jnp.float32))
+    self.head = nnx.Param(jax.nn.initializers.lecun_normal()(rngs.params(), (hidden, vocab),
+                                                             jnp.float32))
+    self.remat = remat
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    h = self.embed[...][tokens] + self.pos[...][:tokens.shape[1]]
+    for block in self.blocks:
+      h = nnx.remat(lambda blk, h: blk(h))(block, h) if self.remat else block(h)
+    return rms_norm(h, self.norm[...]) @ self.head[...]
+
+
+def next_token_loss(model: MoETransformer, tokens: jax.Array) -> jax.Array:
+  """Mean cross-entropy of tokens[:, 1:] given tokens[:, :-1]."""
+  logits = model(tokens[:, :-1])
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+
+
+# ------------------------------------------------------------------ training
+
+def build_mesh(dp: int) -> Mesh:
+  """All devices as (dp, ep) (dp > 1) or ep alone."""
+  devices = np.array(jax.devices())
+  if devices.size % dp:
+    raise ValueError(f"--dp {dp} must divide the {devices.size} devices")
+  if dp == 1:
+    return Mesh(devices, ("ep",))
+  return Mesh(devices.reshape(dp, -1), ("dp", "ep"))
+
+
+def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
+          log: Callable[..., None], show_bar: bool, label: str = "train") -> dict:
+  """Trains from the seed's start for args.steps; returns the losses, the
+  step times, the tokens per second (steady state) and how many programs the
+  step compiled."""
+  dp = "dp" in mesh.axis_names
+  ep = mesh.shape["ep"]
+  token_spec = P(("dp", "ep")) if dp else P("ep")
+  moe_kwargs = dict(mesh=mesh, axis_name="ep", data_axis="dp" if dp else None, backend=backend,
+                    score_fn=args.score_fn, shared_ffn=args.shared_ffn or None,
+                    fp8_dispatch=args.fp8_dispatch)
+  experts = args.experts_per_rank * ep
+  model = MoETransformer(
+      vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers,
+      moe=lambda rngs: MoE(args.hidden, args.ffn, experts, args.topk, rngs=rngs, **moe_kwargs),
+      remat=args.remat, rngs=nnx.Rngs(args.seed))
+  opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
+  # The MoE layers placed their own weights; everything else (attention,
+  # embeddings, the optimizer's counts) is replicated over the mesh, so the
+  # second step reuses the first step's program.
+  nnx.update((model, opt), place_replicated(nnx.state((model, opt)), mesh))
+  graph, state = nnx.split((model, opt))
+
+  @jax.jit
+  def step(state, tokens):
+    model, opt = nnx.merge(graph, state)
+    loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens)
+    opt.update(model, grads)
+    return loss, nnx.state((model, opt))
+
+  perm = task_permutation(args.vocab, seed=args.seed)
+  rng = np.random.default_rng(args.seed + 1)
+  sharding = NamedSharding(mesh, token_spec)
+  losses, times = [], []
+  bar = tqdm(range(args.steps), desc=label, unit="step", disable=not show_bar)
+  for _ in bar:
+    # Every process draws the same global batch and keeps its own rows.
+    host = make_batch(rng, perm, batch=args.batch, seq=args.seq)
+    tokens = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    t0 = time.perf_counter()
+    loss, state = step(state, tokens)
+    loss = float(loss)
+    times.append(time.perf_counter() - t0)
+    losses.append(loss)
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{args.batch * args.seq / times[-1]:.0f}")
+  steady = times[1:] or times
+  tokens_per_s = args.batch * args.seq / float(np.median(steady))
+  log(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tokens_per_s:.0f} tokens/s "
+      f"(median step {np.median(steady) * 1e3:.1f} ms; first step, with compilation, "
+      f"{times[0]:.2f} s)")
+  return dict(losses=losses, step_times_s=times, tokens_per_s=tokens_per_s,
+              compiled_programs=step._cache_size())
+
+
+def max_relative_difference(a: list[float], b: list[float], steps: int) -> float:
+  """max |a - b| / |b| over the first `steps` entries."""
+  n = min(steps, len(a), len(b))
+  x, y = np.asarray(a[:n]), np.asarray(b[:n])
+  return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-12))) if n else 0.0
+
+
+def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> bool:
+  """Writes a loss-curve PNG; False (and a note) without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)")
+    return False
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, losses in curves.items():
+    ax.plot(np.arange(1, len(losses) + 1), losses, label=name)
+  ax.set_xlabel("step")
+  ax.set_ylabel("next-token cross-entropy")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
+  p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+  p.add_argument("--vocab", type=int, default=32)
+  p.add_argument("--hidden", type=int, default=64)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--ffn", type=int, default=128, help="expert width")
+  p.add_argument("--experts-per-rank", type=int, default=2)
+  p.add_argument("--topk", type=int, default=2)
+  p.add_argument("--score-fn", choices=("softmax", "sigmoid"), default="softmax")
+  p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (0: none)")
+  p.add_argument("--fp8-dispatch", action="store_true",
+                 help="rows travel as FP8 (hidden must be a multiple of 128)")
+  p.add_argument("--remat", action="store_true", help="recompute each block in the backward")
+  p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x ep)")
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--backend", choices=tuple(BACKENDS), default="auto",
+                 help="auto: CUDA kernels where they run, else the reference")
+  p.add_argument("--compare-backends", action="store_true",
+                 help="train with the kernels and with the reference; report the loss drift")
+  p.add_argument("--compare-steps", type=int, default=10,
+                 help="steps over which --compare-backends takes the max relative difference")
+  p.add_argument("--plot", default="train_loss.png", help="loss-curve PNG")
+  p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--json", default="train_losses.json", help="losses and timings as JSON")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="virtual CPU devices per process (default: JAX_NUM_CPU_DEVICES, else 8)")
+  p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (jax.distributed)")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
+  return p.parse_args(argv)
+
+
+def _start_jax(args: argparse.Namespace) -> None:
+  """Device count and jax.distributed, before anything touches a device."""
+  if args.cpu_devices is not None:
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  else:
+    try:
+      jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+    except Exception:  # already initialised, or an older jax: the env var covers it
+      pass
+  if args.coordinator is not None:
+    if args.num_processes is None or args.process_id is None:
+      raise SystemExit("--coordinator needs --num-processes and --process-id")
+    # Collectives between CPU processes (the reference path) go over gloo;
+    # GPU processes use NCCL whatever this says.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  _start_jax(args)
+  main_process = jax.process_index() == 0
+  log = print if main_process else (lambda *a, **k: None)
+  mesh = build_mesh(args.dp)
+  if args.batch % mesh.size:
+    raise SystemExit(f"--batch {args.batch} must be a multiple of the {mesh.size} devices "
+                     "(the sequences are split over all of them)")
+  comm = None
+  if jax_ep.cuda_available() and (args.backend != "reference" or args.compare_backends):
+    comm = jax_ep.Communicator.create(mesh, "ep")
+  kernels = comm is not None
+  devices = jax.devices()
+  log(f"jax_ep train: {len(devices)} x {devices[0].platform} devices in {jax.process_count()} "
+      f"process(es), mesh {dict(mesh.shape)}, {args.experts_per_rank * mesh.shape['ep']} experts "
+      f"top-{args.topk}, {args.layers} blocks, H={args.hidden}, {args.batch} x {args.seq} tokens "
+      f"a step; MoE via {'CUDA kernels' if kernels and args.backend != 'reference' else 'pure-JAX reference'}")
+  try:
+    runs = {}
+    if args.compare_backends:
+      first = "kernels" if kernels else "auto"
+      runs[first] = train(args, mesh, backend=None, log=log, show_bar=main_process, label=first)
+      runs["reference"] = train(args, mesh, backend="reference", log=log, show_bar=main_process,
+                                label="reference")
+    else:
+      name = "kernels" if kernels and args.backend != "reference" else "reference"
+      runs[name] = train(args, mesh, backend=BACKENDS[args.backend], log=log,
+                         show_bar=main_process, label=name)
+  finally:
+    if comm is not None:
+      comm.close()
+  result = dict(args=vars(args), platform=devices[0].platform, devices=len(devices),
+                processes=jax.process_count(), kernels=kernels, runs=runs)
+  if args.compare_backends:
+    a, b = (r["losses"] for r in runs.values())
+    result["max_relative_loss_difference"] = diff = max_relative_difference(
+        a, b, args.compare_steps)
+    log(f"max relative loss difference, kernels vs reference, over the first "
+        f"{min(args.compare_steps, args.steps)} steps: {diff:.3e}"
+        + ("" if kernels else " (both runs used the reference: no CUDA kernels here)"))
+  if main_process:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+    written = [args.json]
+    if not args.no_plot and plot_losses({k: r["losses"] for k, r in runs.items()}, args.plot,
+                                        title=f"jax_ep.train on {len(devices)} x "
+                                              f"{devices[0].platform}"):
+      written.append(args.plot)
+    log("wrote " + ", ".join(written))
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,92 @@
+"""jax_ep.train (the example training run) on CPU: a short run lowers the
+loss and writes its JSON and PNG; the layer's options run through it; two
+processes (jax.distributed, gloo collectives, 4 CPU devices each) train in
+step with each other and with one process of 8 devices."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from jax_ep import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--layers", "1", "--batch", "8", "--seq", "16"]
+
+
+def test_make_batch_follows_the_task_rule():
+  perm = train.task_permutation(32, seed=3)
+  x = train.make_batch(np.random.default_rng(0), perm, batch=4, seq=20)
+  assert x.shape == (4, 21) and x.dtype == np.int32
+  np.testing.assert_array_equal(x[:, 2:], (perm[x[:, 1:-1]] + x[:, :-2] % 2) % 32)
+  assert len(np.unique(x)) > 8
+
+
+def test_a_short_run_lowers_the_loss_and_writes_json_and_png(tmp_path):
+  js, png = tmp_path / "losses.json", tmp_path / "loss.png"
+  result = train.main(["--steps", "8", *TINY, "--json", str(js), "--plot", str(png)])
+  run = result["runs"]["reference"]
+  losses = run["losses"]
+  assert len(losses) == 8 and np.all(np.isfinite(losses))
+  assert losses[-1] < 0.8 * losses[0], losses
+  assert run["compiled_programs"] == 1  # the second step reused the first's program
+  assert run["tokens_per_s"] > 0
+  assert json.loads(js.read_text())["runs"]["reference"]["losses"] == losses
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layer_options_and_compare_backends_run(tmp_path):
+  js, png = tmp_path / "losses.json", tmp_path / "loss.png"
+  result = train.main(["--steps", "3", *TINY, "--hidden", "128", "--dp", "2", "--fp8-dispatch",
+                       "--shared-ffn", "32", "--score-fn", "sigmoid", "--remat",
+                       "--compare-backends", "--json", str(js), "--plot", str(png),
+                       "--no-plot"])
+  assert set(result["runs"]) == {"auto", "reference"}  # no kernels on CPU
+  a, b = (r["losses"] for r in result["runs"].values())
+  assert a[-1] < a[0]
+  # Both runs took the reference here, from the same start and data.
+  assert result["max_relative_loss_difference"] == 0.0 and a == b
+  assert js.exists() and not png.exists()
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_finish_with_the_same_loss(tmp_path):
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  args = ["--steps", "3", *TINY, "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}",
+          "--num-processes", "2", "--json", str(tmp_path / "losses.json"), "--no-plot"]
+  code = ("import json, sys, jax_ep.train as t; r = t.main(sys.argv[1:]); "
+          "print('LOSSES', json.dumps(r['runs']['reference']['losses']))")
+  procs = [subprocess.Popen([sys.executable, "-c", code, *args, "--process-id", str(i)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT) for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=180)
+      assert p.returncode == 0, err[-3000:]
+      outs.append(out)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  losses = [json.loads(next(l for l in o.splitlines() if l.startswith("LOSSES"))[7:])
+            for o in outs]
+  assert losses[0] == losses[1] and losses[0][-1] < losses[0][0], losses
+  # Only process 0 prints and writes.
+  assert "jax_ep train:" in outs[0] and "jax_ep train:" not in outs[1]
+  written = json.loads((tmp_path / "losses.json").read_text())
+  assert written["processes"] == 2 and written["devices"] == 8
+  # The same global computation as one process with 8 devices (this one).
+  one = train.main(["--steps", "3", *TINY, "--json", str(tmp_path / "one.json"), "--no-plot"])
+  np.testing.assert_allclose(one["runs"]["reference"]["losses"], losses[0], rtol=1e-5)

@@ -249,6 +249,29 @@ def test_shared_expert_adds_the_dense_mlp():
   np.testing.assert_array_equal(np.asarray(y3).reshape(64, 64), y1)
 
 
+def test_overlap_shared_gives_the_same_outputs_and_gradients():
+  """overlap_shared runs the shared expert between dispatch_start and
+  dispatch_done: the same numbers, forward and backward."""
+  mesh = _mesh()
+  kw = dict(mesh=mesh, dtype=jnp.float32, backend="reference", shared_ffn=48, shared_gated=True)
+  plain = MoE(64, 32, 8, 2, rngs=nnx.Rngs(4), **kw)
+  over = MoE(64, 32, 8, 2, overlap_shared=True, rngs=nnx.Rngs(4), **kw)
+  x = _tokens(mesh, 64, 64)
+
+  def loss(m, x):
+    return jnp.sum(jnp.sin(m(x)))
+
+  g = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
+  (l0, (gm0, gx0)), (l1, (gm1, gx1)) = g(plain, x), g(over, x)
+  assert float(l0) == float(l1)
+  np.testing.assert_array_equal(np.asarray(gx0), np.asarray(gx1))
+  for a, b in zip(jax.tree.leaves(nnx.state(gm0)), jax.tree.leaves(nnx.state(gm1))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.any(np.asarray(gm1.shared_w_gate[...]) != 0)
+  with pytest.raises(ValueError, match="overlap_shared"):
+    MoE(64, 32, 8, 2, mesh=mesh, overlap_shared=True, rngs=nnx.Rngs(0))
+
+
 def test_dp_by_ep_mesh_gives_the_ep_only_layer_results():
   cfg = dict(score_fn="sigmoid", shared_ffn=32, backend="reference", dtype=jnp.float32)
   ep, dp_ep = _mesh(), _mesh((2, 4), ("dp", "ep"))

@@ -116,6 +116,17 @@ if [ "$build" = ok ]; then
   fi
 fi
 
+note "example training run (python -m jax_ep.train, kernels against the reference)"
+train="not run"
+if [ "$build" = ok ]; then
+  if timeout 300 "$PY" -m jax_ep.train --steps 10 --compare-backends --no-plot \
+      >"$LOGS/train.log" 2>&1; then
+    train="ok: $(tail -1 "$LOGS/train.log")"
+  else
+    train="FAIL"; status=1; tail -20 "$LOGS/train.log"
+  fi
+fi
+
 note "benchmarks"
 bench_skipped=""
 for b in benchmarks/bench_*.py; do
@@ -160,6 +171,7 @@ fi
   printf '%-12s %s\n' "versions" "$versions"
   printf '%-12s %s\n' "gpu tests" "$tests"
   printf '%-12s %s\n' "demo" "$demo"
+  printf '%-12s %s\n' "train" "$train"
   printf '%-12s %s\n' "benchmarks" "$bench_ran run; failed:${bench_failed:- none}; skipped:${bench_skipped:- none}"
   "$PY" - "$BENCH" <<'PYEOF'
 import json, pathlib, sys

@@ -48,8 +48,11 @@ def test_layer_options_and_compare_backends_run(tmp_path):
   assert set(result["runs"]) == {"auto", "reference"}  # no kernels on CPU
   a, b = (r["losses"] for r in result["runs"].values())
   assert a[-1] < a[0]
-  # Both runs took the reference here, from the same start and data.
-  assert result["max_relative_loss_difference"] == 0.0 and a == b
+  # Both runs took the reference here, from the same start and data. Not
+  # bitwise: with jax_ep built with CUDA, backend=None traces a
+  # platform_dependent whose CPU branch XLA:CPU compiles differently from
+  # the plain reference (CI saw 2.9e-5 after 3 steps).
+  assert result["max_relative_loss_difference"] < 1e-3
   assert js.exists() and not png.exists()
 
 

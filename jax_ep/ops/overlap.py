@@ -224,10 +224,8 @@ def _dispatch_done_fwd(cfg, out, x, topk_weights, after):
 
 
 def _dispatch_done_bwd(cfg, res, ct):
-  h, has_w = res
-  fused = dataclasses.replace(cfg, start=False)
-  dx = _d._combine_impl(fused, ct.recv_x, h, None)
-  dw = ref.return_row_weights(ct.recv_topk_weights, h, cfg.axis_name) if has_w else None
+  # The fused dispatch's backward (its residuals are the same pair).
+  dx, _, dw, _ = _d._dispatch_bwd(dataclasses.replace(cfg, start=False), res, ct)
   return None, dx, dw, None
 
 

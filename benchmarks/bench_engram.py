@@ -168,6 +168,11 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   return results
 
 
+def _fmt(v, spec: str) -> str:
+  """`v` formatted, or '-' where it was not measured (EP1 has no link)."""
+  return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(int(spec.split(".")[0]))
+
+
 def main(argv=None) -> int:
   from bench_normal import measure_and_write, simple_args
   args = simple_args(__doc__, argv)
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
     if r["bench"] != "engram_fetch":
       continue
     print(f"{r['impl']:16s} {r['dtype']:5s} {r['time_us']:10.1f} {r['nvlink_gbps']:8.1f} "
-          f"{r['logical_gbps']:8.1f} {r['mrows_per_s']:9.1f} {r['ratio_to_copy_engine']:6.2f}")
+          f"{r['logical_gbps']:8.1f} {r['mrows_per_s']:9.1f} {_fmt(r['ratio_to_copy_engine'], '6.2f')}")
   print(f"json: {out}")
   return 0
 

@@ -42,12 +42,22 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   combine use the same area one after the other, so the need is the larger
   of the two. With FP8 the payload is 1 byte per channel (`x_bytes` ignored).
   """
+  return max(dispatch_window_end(num_ranks=num_ranks, tokens_per_rank=tokens_per_rank,
+                                 hidden=hidden, topk=topk, num_experts=num_experts,
+                                 x_bytes=x_bytes, fp8=fp8),
+             _combine_window_end(num_ranks, tokens_per_rank, hidden, topk, y_bytes))
+
+
+_OP_AREA = 4096 + 4 * 8 * 4096 + 4096  # header + chunk counters + CE flags (kOpAreaOffset)
+
+
+def dispatch_window_end(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
+                        num_experts: int, x_bytes: int = 2, fp8: bool = False) -> int:
+  """End of the window bytes a dispatch alone writes (window_layout.h
+  DispatchWindow); Engram publications there go stale at each dispatch."""
   r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
   e_l = e // r
-  op_area = 4096 + 4 * 8 * 4096 + 4096  # header + chunk counters + CE flags (kOpAreaOffset)
-  # dispatch
-  ok = op_area
-  counts = _align16(ok + 8 * r)
+  counts = _align16(_OP_AREA + 8 * r)
   scratch_ints = 16 + r + e + (r + 1) + r + (e_l + 1) + e_l + e_l * r
   counts_out = _align16(counts + 8 * r * (2 + e_l))  # GIN peers' staged counts
   scratch = _align16(counts_out + 8 * r * (2 + e_l))
@@ -57,12 +67,13 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   scales_off = _align16(payload)
   meta_off = _align16(scales_off + 4 * (h // 128)) if fp8 else scales_off
   row = _align16(meta_off + 4 * (3 * k + 1))
-  dispatch_end = recv + 2 * r * t * row  # recv + staging (copy engine / GIN)
-  # combine (both layouts)
+  return recv + 2 * r * t * row  # recv + staging (copy engine / GIN)
+
+
+def _combine_window_end(r: int, t: int, h: int, k: int, y_bytes: int) -> int:
   crow = _align16(h * y_bytes) + 16
-  crecv = _align16(op_area + 24 * r)  # ok, sent, sent_out (GIN peers' staged sent words)
-  combine_end = crecv + (max(t * k, r * t) + r * t) * crow  # recv + staging
-  return max(dispatch_end, combine_end)
+  crecv = _align16(_OP_AREA + 24 * r)  # ok, sent, sent_out (GIN peers' staged sent words)
+  return crecv + (max(t * k, r * t) + r * t) * crow  # recv + staging (both layouts)
 
 
 def dispatch_cuda(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_experts: int,

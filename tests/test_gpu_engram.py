@@ -260,11 +260,13 @@ def test_fetch_after_a_dispatch_overwrote_the_table_reports_stale(comm):
     reserved_bytes), a dispatch, then a fetch of that publication: 'stale
     publication' and zeros, never the dispatch's bytes; republishing works."""
     from jax_ep._checks import EpRuntimeError
-    from jax_ep._ffi_dispatch import window_bytes_needed
+    from jax_ep._ffi_dispatch import dispatch_window_end
 
     R = comm.num_ranks
     T_d, H_d, K_d, E_d = 1024, 2048, 4, 16
-    need = window_bytes_needed(num_ranks=R, tokens_per_rank=T_d, hidden=H_d, topk=K_d,
+    # The dispatch's own end (not the combine's, larger at EP1): the table
+    # must start below what the dispatch itself claims.
+    need = dispatch_window_end(num_ranks=R, tokens_per_rank=T_d, hidden=H_d, topk=K_d,
                                num_experts=E_d)
     rows = (comm.num_bytes - need // 2) // (D * 2)  # starts below the dispatch's end
     rng = np.random.default_rng(31003)

@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import os
 import sys
 from typing import Callable
@@ -409,6 +410,10 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
     print(f"  T={shape.tokens:5d} {impl:22s} {timing:>12s}{gemms}", flush=True)
   if steps.get("jax_ep") is not None:
     _profile_step(steps["jax_ep"], (params, x), records, quick)
+  # The variants above and the GEMM step's operands held ~7 GiB buffers
+  # each; the shared-expert steps ran out of memory behind them on one H200.
+  del steps, gemm_step, gemm_args
+  gc.collect()
   records += _overlap_records(shape, mesh, x, params, quick)
   return records
 
@@ -432,6 +437,7 @@ def _overlap_records(shape: MoEShape, mesh, x, params, quick: bool) -> list[dict
     b = jax.block_until_ready(steps["jax_ep_shared_overlap"](params, x))
     same = all(np.array_equal(np.asarray(u), np.asarray(v))
                for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    del a, b
   except Exception as e:  # noqa: BLE001 - the overlap must not hide the other records
     print(f"  shared-expert overlap: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return []

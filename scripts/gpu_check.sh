@@ -7,6 +7,7 @@
 #   device machine has no .git; run it as JAX_EP_COMMIT=$(git rev-parse --short HEAD) ...)
 #   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files
 #   ("none": no tests),
+#   GPU_CHECK_DEMO=none skips the demo and the example training run;
 #   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all);
 #   GPU_CHECK_PYTEST_ARGS replaces pytest's -x (e.g. "" to run every test
 #   past a failure); GPU_CHECK_ARGS_<bench>="..." extra arguments for one
@@ -175,7 +176,7 @@ fi
 
 note "main job (demo on the GPUs)"
 demo="not run"
-if [ "$build" = ok ]; then
+if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   if timeout 300 "$PY" -m jax_ep.demo --steps 5 >"$LOGS/demo.log" 2>&1; then
     demo="ok: $(tail -1 "$LOGS/demo.log")"
   else
@@ -185,7 +186,7 @@ fi
 
 note "example training run (python -m jax_ep.train, kernels against the reference)"
 train="not run"
-if [ "$build" = ok ]; then
+if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   if timeout 300 "$PY" -m jax_ep.train --steps 10 --compare-backends --no-plot \
       >"$LOGS/train.log" 2>&1; then
     train="ok: $(tail -1 "$LOGS/train.log")"

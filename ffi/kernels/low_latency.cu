@@ -171,6 +171,22 @@ __device__ __forceinline__ void WriteToken(int32_t* token_out, unsigned long lon
   }
 }
 
+// Decode has few rows (~128 tokens) for ~2000 warps: a row is cut into
+// `per_row` column slices of `width` 16-byte vectors, one warp each, so
+// every SM moves data instead of the first few (one warp per row left 8
+// of 132 CTAs doing all the work: docs/low_latency.md, "Speed"). `width` is
+// a multiple of 32 vectors, so a 128-channel FP8 block (16 vectors) never
+// straddles two slices and a warp's lanes stay aligned with the blocks.
+struct RowSlices {
+  int per_row, width;
+  __device__ RowSlices(int rows, int warps, int nvec) {
+    const int most = max(1, (nvec + 31) / 32);
+    const int want = max(1, min(most, warps / max(rows, 1)));
+    width = ((nvec + want - 1) / want + 31) / 32 * 32;
+    per_row = max(1, (nvec + width - 1) / width);
+  }
+};
+
 // ---------------------------------------------------------------- dispatch
 
 template <LlPart kPart>
@@ -194,6 +210,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     BeginSend(p, Op::kLowLatencyDispatch, L, ctr, kLlDispatchSeqCounter, kLlDispatchRecvCounter);
     WriteToken<kPart>(a.token_out, seq);
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
+    // The ids into shared memory by every thread at once, so the walk
+    // below never waits on global memory.
+    for (int q = threadIdx.x; q < TK; q += blockDim.x) s_slot[q] = __ldg(a.topk_idx + q);
     __syncthreads();
 
     // 1. Each entry's slot: its rank among this rank's entries for the same
@@ -203,7 +222,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       bool bad = false;
       for (int base = 0; base < TK; base += 32) {
         const int q = base + lane;
-        int32_t id = q < TK ? __ldg(a.topk_idx + q) : -1;
+        int32_t id = q < TK ? s_slot[q] : -1;
         if (id < -1 || id >= E) {
           bad = true;
           id = -1;
@@ -222,9 +241,12 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncthreads();
 
-    // 2. Rows to their owners: one warp per token, the row read once and
-    // stored into every destination slot (FP8: cast on the way).
-    for (int t = gw; t < T; t += nw) {
+    // 2. Rows to their owners: each column slice of a token's row read once
+    // and stored into every destination slot (FP8: cast on the way).
+    const RowSlices rs(T, nw, nvec);
+    for (int task = gw; task < T * rs.per_row; task += nw) {
+      const int t = task / rs.per_row, part = task - t * rs.per_row;
+      const int v0 = part * rs.width, v1 = min(nvec, v0 + rs.width);
       char* lane_row = nullptr;
       bool ok = false, overflow = false;
       if (lane < K) {
@@ -236,10 +258,10 @@ __global__ void __launch_bounds__(kLlThreads, 1)
             const int d = id / E_l, l = id - d * E_l;
             const size_t cell = (static_cast<size_t>(l) * R + p.rank) * M + slot;
             lane_row = p.base[d] + L.DispRows(b) + cell * L.row_bytes;
-            *reinterpret_cast<int32_t*>(p.base[d] + L.DispMeta(b) + cell * 4) = q;
+            if (part == 0) *reinterpret_cast<int32_t*>(p.base[d] + L.DispMeta(b) + cell * 4) = q;
             ok = true;
           } else {
-            overflow = true;
+            overflow = part == 0;
           }
         }
       }
@@ -249,16 +271,16 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       const unsigned dst_mask = __ballot_sync(kFullMask, ok);
       const uint4* xv = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) +
                                                        static_cast<size_t>(t) * H * 2);
-      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      for (int base = v0; base < v1; base += 32 * kUnroll) {
         uint4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int idx = base + u * 32 + lane;
-          v[u] = idx < nvec ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
+          v[u] = idx < v1 ? LdNcNa(xv + idx) : make_uint4(0, 0, 0, 0);
         }
         if (!a.fp8) {
           for (unsigned m = dst_mask; m; m &= m - 1)
-            StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_row, __ffs(m) - 1)), base, nvec, lane, v);
+            StoreChunk(reinterpret_cast<uint4*>(ShflPtr(lane_row, __ffs(m) - 1)), base, v1, lane, v);
         } else {
           // 8 channels per lane, 16 lanes per 128-channel block (H % 128 == 0).
           uint2 qv[kUnroll];
@@ -271,7 +293,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
               const int idx = base + u * 32 + lane;
-              if (idx < nvec) {
+              if (idx < v1) {
                 reinterpret_cast<uint2*>(row)[idx] = qv[u];
                 if (lane % 16 == 0) srow[idx / 16] = s[u];
               }
@@ -334,21 +356,30 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       }
       a.src_entry[static_cast<size_t>(l) * m_all + i] = entry;
     }
-    // The rows, one warp each.
-    for (int i = warp; i < total; i += kLlWarps) {
+    // The rows: column slices of them over the CTA's warps (an expert
+    // receives a few rows in decode), kUnroll loads in flight per lane.
+    const int rvec = a.fp8 ? H / 16 : nvec;  // 16-byte vectors per received row
+    const RowSlices rr(total, kLlWarps, rvec);
+    for (int task = warp; task < total * rr.per_row; task += kLlWarps) {
+      const int i = task / rr.per_row, part = task - i * rr.per_row;
+      const int v0 = part * rr.width, v1 = min(rvec, v0 + rr.width);
       int s = 0;
       while (i >= s_off[s + 1]) ++s;
       const size_t cell = (static_cast<size_t>(l) * R + s) * M + (i - s_off[s]);
       const char* src = p.base[p.rank] + L.DispRows(b) + cell * L.row_bytes;
       const size_t out_row = static_cast<size_t>(l) * m_all + i;
-      if (!a.fp8) {
-        const uint4* sv = reinterpret_cast<const uint4*>(src);
-        uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * H * 2);
-        for (int v = lane; v < nvec; v += 32) StNa(dv + v, LdCg(sv + v));
-      } else {
-        const uint4* sv = reinterpret_cast<const uint4*>(src);
-        uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * H);
-        for (int v = lane; v < H / 16; v += 32) StNa(dv + v, LdCg(sv + v));
+      const uint4* sv = reinterpret_cast<const uint4*>(src);
+      uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * rvec * 16);
+      for (int base = v0; base < v1; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          if (idx < v1) v[u] = LdCg(sv + idx);
+        }
+        StoreChunk(dv, base, v1, lane, v);
+      }
+      if (a.fp8 && part == 0) {
         const float* ss = reinterpret_cast<const float*>(src + H);
         float* ds = a.recv_scales + out_row * (H / 128);
         for (int j = lane; j < H / 128; j += 32) ds[j] = __ldcg(ss + j);
@@ -434,7 +465,10 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   __shared__ int s_k[kLlWarps][32];
   __shared__ float s_w[kLlWarps][32];
   const char* slots = p.base[p.rank] + L.CombRows(b);
-  for (int t = gw; t < T; t += nw) {
+  const RowSlices rs(T, nw, nvec);
+  for (int task = gw; task < T * rs.per_row; task += nw) {
+    const int t = task / rs.per_row, part = task - t * rs.per_row;
+    const int v0 = part * rs.width, v1 = min(nvec, v0 + rs.width);
     const int32_t id = lane < K ? __ldg(a.topk_idx + t * K + lane) : -1;
     const bool valid = lane < K && id >= 0 && id < E;
     const int key = valid ? id : E + 1 + lane;  // invalid: after every valid one, in k order
@@ -450,19 +484,32 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncwarp();
     uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(a.out) + static_cast<size_t>(t) * H * 2);
-    for (int v = lane; v < nvec; v += 32) {
+    for (int v = v0 + lane; v < v1; v += 32) {
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = n_valid > 0 ? -0.0f : 0.0f;
-      for (int r = 0; r < n_valid; ++r) {
-        const int k = s_k[warp][r];
-        const float wk = s_w[warp][r];
-        const uint4 y = LdCg(reinterpret_cast<const uint4*>(
-                                 slots + static_cast<size_t>(t * K + k) * L.y_row_bytes) + v);
-        float f[8];
-        Vec16<__nv_bfloat16>::ToFloat(y, f);
+      // kBatch rows' loads in flight before their sums, added in the same
+      // ascending order as one at a time.
+      constexpr int kBatch = 8;
+      for (int r0 = 0; r0 < n_valid; r0 += kBatch) {
+        uint4 y[kBatch];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+        for (int j = 0; j < kBatch; ++j) {
+          if (r0 + j < n_valid) {
+            y[j] = LdCg(reinterpret_cast<const uint4*>(
+                            slots + static_cast<size_t>(t * K + s_k[warp][r0 + j]) * L.y_row_bytes) + v);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (r0 + j < n_valid) {
+            const float wk = s_w[warp][r0 + j];
+            float f[8];
+            Vec16<__nv_bfloat16>::ToFloat(y[j], f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+          }
+        }
       }
       StNa(out + v, Vec16<__nv_bfloat16>::FromFloat(acc));
     }
@@ -472,6 +519,12 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   if constexpr (kPart == LlPart::kFused) {
     Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter, seq, L);
   }
+}
+
+// CTAs that keep a warp on every RowSlices slice of `rows` rows of H bf16.
+int RowWarps(int rows, int H) {
+  const long long warps = static_cast<long long>(rows) * std::max(1, (H / 8 + 31) / 32);
+  return static_cast<int>(std::min<long long>((warps + kLlWarps - 1) / kLlWarps, 1 << 20));
 }
 
 int Blocks(int requested, int device_sms, int work) {
@@ -539,7 +592,7 @@ cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int devi
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  const int work = std::max((a.num_tokens + kLlWarps - 1) / kLlWarps, a.num_experts / R);
+  const int work = std::max(RowWarps(a.num_tokens, a.hidden), a.num_experts / R);
   kernel<<<Blocks(a.num_blocks, device_sms, work), kLlThreads, smem, stream>>>(a, p, L);
   return cudaGetLastError();
 }
@@ -549,7 +602,7 @@ cudaError_t LaunchLlCombine(const LlCombineArgs& a, const EpPeers& p, int device
   const int R = p.nranks;
   const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
                    std::max(a.reserved_bytes, kWindowHeaderBytes));
-  const int work = std::max(a.num_experts / R, (a.num_tokens + kLlWarps - 1) / kLlWarps);
+  const int work = std::max(a.num_experts / R, RowWarps(a.num_tokens, a.hidden));
   auto kernel = part == LlPart::kFused  ? LlCombineKernel<LlPart::kFused>
                 : part == LlPart::kSend ? LlCombineKernel<LlPart::kSend>
                                         : LlCombineKernel<LlPart::kRecv>;

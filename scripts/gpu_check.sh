@@ -174,7 +174,7 @@ PYEOF
   esac
 fi
 
-note "main job (demo on the GPUs)"
+note "demo on the GPUs"
 demo="not run"
 if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   if timeout 300 "$PY" -m jax_ep.demo --steps 5 >"$LOGS/demo.log" 2>&1; then
@@ -184,7 +184,7 @@ if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   fi
 fi
 
-note "example training run (python -m jax_ep.train, kernels against the reference)"
+note "main job (python -m jax_ep.train, kernels against the reference)"
 train="not run"
 if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   if timeout 300 "$PY" -m jax_ep.train --steps 10 --compare-backends --no-plot \

@@ -29,6 +29,21 @@ def test_readme_example_runs_as_written_on_8_cpu_devices():
   assert "(512, 256) bfloat16" in res.stdout
 
 
+def test_readme_main_job_runs_and_the_loss_falls(tmp_path):
+  """The set-up's first command (the main job), shortened to a few steps."""
+  text = open(os.path.join(ROOT, "README.md")).read()
+  setup = re.search(r"## Set-up on a fresh machine\s+```bash\n(.*?)```", text, re.S).group(1)
+  main_job = re.search(r"&& python -m (\S+)", setup.splitlines()[0]).group(1)
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  env["JAX_PLATFORMS"] = "cpu"
+  res = subprocess.run([sys.executable, "-m", main_job, "--steps", "6", "--no-plot"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+  assert res.returncode == 0, res.stderr[-3000:]
+  m = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", res.stdout)
+  assert m, res.stdout[-2000:]
+  assert float(m.group(2)) < float(m.group(1))
+
+
 def test_demo_trains_and_the_loss_falls():
   res = _run("import jax_ep.demo as d; d.main(['--steps', '8'])")
   assert res.returncode == 0, res.stderr[-3000:]

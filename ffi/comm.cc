@@ -127,10 +127,10 @@ void SetupOneDevice(DeviceResources& d) {
   CheckNccl(ncclMemAlloc(&d.window_ptr, d.window_bytes), "ncclMemAlloc", d.comm);
   // Zeroed header: barrier flags and epochs start at 0 on every rank.
   CheckCuda(cudaMemset(d.window_ptr, 0, d.window_bytes), "cudaMemset(window)", d.device_ordinal);
-  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), sizeof(uint32_t),
+  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), 4 * sizeof(uint32_t),
                           cudaHostAllocMapped | cudaHostAllocPortable),
             "cudaHostAlloc(status word)", d.device_ordinal);
-  *d.status_host = 0;
+  for (int i = 0; i < 4; ++i) d.status_host[i] = 0;
   CheckCuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.status_dev), d.status_host, 0),
             "cudaHostGetDevicePointer(status word)", d.device_ordinal);
   CheckCuda(cudaMalloc(reinterpret_cast<void**>(&d.counters),
@@ -310,6 +310,7 @@ EpPeers DeviceResources::peers() const {
   p.nranks = nranks;
   p.window_bytes = window_bytes;
   p.status = status_dev;
+  p.call = calls;
   p.epoch = counters;
   p.grid_sync = counters + 1;
   p.timeout_ns = timeout_ns;
@@ -332,10 +333,13 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   // The device writes the word with system-scope atomics through the
   // mapping; a volatile read sees it without any stream synchronisation.
   volatile uint32_t* word = dev.status_host;
-  const uint32_t code = *word;
+  const uint32_t code = word[0];
   if (code == 0) return "";
-  *word = 0;
-  return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s);
+  volatile unsigned long long* call_word = reinterpret_cast<volatile unsigned long long*>(word + 2);
+  const unsigned long long call = *call_word;
+  *call_word = 0;
+  word[0] = 0;
+  return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, call);
 }
 
 std::string CommResources::TakeStatusMessage() {
@@ -410,7 +414,8 @@ void CommResources::Close() {
   }
 }
 
-int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s) {
+int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s,
+                   bool checked) {
   CheckVersion();
   const TransportEnv transport = TransportFromEnv();
   if (groups.empty()) Fail("comm_create needs at least one EP group");
@@ -429,6 +434,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
 
   auto res = std::make_shared<CommResources>();
   res->timeout_s = timeout_s;
+  res->checked = checked;
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupSpec& spec = groups[g];
     if (spec.nranks < 1 || spec.nranks > kMaxRanks) {
@@ -584,7 +590,8 @@ std::shared_ptr<CommResources> LookupComm(int64_t comm_id) {
   return it == reg.comms.end() ? nullptr : it->second;
 }
 
-std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double timeout_s) {
+std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double timeout_s,
+                           unsigned long long call) {
   const uint32_t op = (code >> 16) & 0xffffu;
   const uint32_t cause = (code >> 8) & 0xffu;
   const uint32_t detail = code & 0xffu;
@@ -647,7 +654,11 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
   }
   char hex[32];
   std::snprintf(hex, sizeof(hex), " [status 0x%08x]", code);
-  return msg + hex;
+  // Which call: the n-th jax_ep op on this device since the Communicator was
+  // created (Communicator.info()[i]["calls"] is the count so far).
+  const std::string which =
+      call ? " [call " + std::to_string(call) + " on device " + std::to_string(device_ordinal) + "]" : "";
+  return msg + which + hex;
 }
 
 std::string NcclVersionString(int code) {

@@ -111,8 +111,11 @@ struct DeviceResources {
   char* gin_emu_base[kMaxRanks] = {};  // emulated: every GIN peer's LSA-mapped window
   int lsa_team_size = 0;            // NCCL's LSA team of this rank, self included
   void* gin_dev = nullptr;          // cudaMalloc'ed GinComm when gin_mask != 0
-  uint32_t* status_host = nullptr;  // cudaHostAlloc(mapped)
-  uint32_t* status_dev = nullptr;   // the same word as the device sees it
+  uint32_t* status_host = nullptr;  // cudaHostAlloc(mapped) u32[4]: code, -, call (u64)
+  uint32_t* status_dev = nullptr;   // the same words as the device sees them
+  // Ops executed on this device since create, this one included
+  // (AcquireDevice counts; EpPeers::call carries it into the kernels).
+  unsigned long long calls = 0;
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
   CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
@@ -155,6 +158,9 @@ class CommResources {
 
   int64_t comm_id = 0;
   double timeout_s = 0;
+  // Checked mode (docs/errors.md): every op waits for its kernels and
+  // returns their error itself, so the program that caused it fails.
+  bool checked = false;
   std::vector<DeviceResources> devices;
 
  private:
@@ -173,15 +179,16 @@ struct GroupSpec {
 
 // Throws std::runtime_error with a message naming the failing call/peer.
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes,
-                   double timeout_s);
+                   double timeout_s, bool checked = false);
 // Closes and unregisters; unknown ids are ignored (close() is idempotent).
 void DestroyComm(int64_t comm_id);
 // nullptr when unknown or already destroyed.
 std::shared_ptr<CommResources> LookupComm(int64_t comm_id);
 
 // "jax_ep <op> on rank r (device d): <cause>" for a non-zero status code.
+// `call`: the number of the op that reported it on its device (0: unknown).
 std::string DescribeStatus(uint32_t code, int rank, int device_ordinal,
-                           double timeout_s);
+                           double timeout_s, unsigned long long call = 0);
 
 ncclUniqueId NewUniqueId();
 // (compiled NCCL_VERSION_CODE, ncclGetVersion() of the loaded library)

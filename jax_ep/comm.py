@@ -138,20 +138,22 @@ class Communicator:
   """NCCL resources for the EP axis `axis_name` of `mesh` (see module doc)."""
 
   def __init__(self, *, comm_id: int, mesh: Mesh, axis_name: str, num_bytes: int,
-               timeout_s: float):
+               timeout_s: float, checked: bool = False):
     self._comm_id = comm_id
     self._mesh = mesh
     self._axis_name = axis_name
     self._num_bytes = num_bytes
     self._timeout_s = timeout_s
+    self._checked = checked
     self._closed = False
 
   @classmethod
   def create(cls, mesh: Mesh, axis_name: str = "ep", num_bytes: Optional[int] = None, *,
-             timeout_s: float = 10.0) -> "Communicator":
+             timeout_s: float = 10.0, checked: bool = False,
+             replace: bool = False) -> "Communicator":
     """Creates the communicators for every EP group of `mesh` along
     `axis_name` that has a device in this process, and makes the result the
-    default for `axis_name` (`current(axis_name)`).
+    one the ops of `axis_name` use (`current(axis_name)`).
 
     Args:
       mesh: a mesh of CUDA GPUs.
@@ -159,9 +161,23 @@ class Communicator:
       num_bytes: symmetric window bytes per GPU (rounded up to 2 MiB);
         default 1 GiB. See `get_buffer_size_hint`.
       timeout_s: how long a kernel waits for a peer before reporting an error.
+      checked: checked mode (docs/errors.md): every op waits for its kernels
+        and fails its own program with the error they found (bad expert id,
+        overflow, ...), so fetching any result of that program raises.
+        Default False, deferred: the error is raised by the next jax_ep call
+        on the device or `check()`, naming the call that caused it. Checked
+        mode costs a host wait per op (not yet measured).
+      replace: an open Communicator on `axis_name` is an error (ops would
+        otherwise switch to the new one silently); replace=True closes it
+        first (collective, like `close()`).
     """
     if axis_name not in mesh.axis_names:
       raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    old = current(axis_name)
+    if old is not None:
+      if not replace:
+        raise ValueError(f"a Communicator on axis {axis_name!r} is already open ({old!r}); "
+                         "close() it first, or pass replace=True to close it and create this one")
     devices = list(mesh.devices.flat)
     not_gpu = sorted({d.platform for d in devices if d.platform not in ("gpu", "cuda")})
     if not_gpu:
@@ -192,6 +208,8 @@ class Communicator:
       raise ValueError("no device of this mesh belongs to this process")
     with _registry_lock:
       seq = next(_create_seq)
+    if old is not None:  # replace=True, and the new one's arguments are valid
+      old.close()
     uids = _share_unique_ids(mine, seq, timeout_s)
     specs = []
     for uid, (_, g) in zip(uids, mine):
@@ -199,9 +217,10 @@ class Communicator:
       ordinals = [g[r].local_hardware_id for r in ranks]
       specs.append((uid, num_ranks, ranks, ordinals))
     _native.ensure_registered()
-    comm_id = _native.module().comm_create_groups(specs, num_bytes, float(timeout_s))
+    comm_id = _native.module().comm_create_groups(specs, num_bytes, float(timeout_s),
+                                                  bool(checked))
     comm = cls(comm_id=comm_id, mesh=mesh, axis_name=axis_name, num_bytes=num_bytes,
-               timeout_s=float(timeout_s))
+               timeout_s=float(timeout_s), checked=bool(checked))
     with _registry_lock:
       _defaults[axis_name] = comm
     return comm
@@ -238,8 +257,15 @@ class Communicator:
   def closed(self) -> bool:
     return self._closed
 
+  @property
+  def checked(self) -> bool:
+    """Checked mode (see `create`)."""
+    return self._checked
+
   def info(self) -> list[dict]:
-    """Per local device: device_ordinal, rank, nranks, group, window_bytes, lsa_size."""
+    """Per local device: device_ordinal, rank, nranks, group, window_bytes,
+    lsa_size, calls (jax_ep ops executed there so far: a deferred error names
+    the number of the call that caused it)."""
     return list(_native.module().comm_info(self.comm_id))
 
   # -- checks

@@ -189,6 +189,7 @@ def gpu_comm(request):
         pytest.skip(f"needs {n} GPUs")
     from jax_ep.comm import Communicator
     mesh = jax.sharding.Mesh(np.array(devs[:n]), (AXIS,))
-    c = Communicator.create(mesh, AXIS, getattr(request.module, "COMM_BYTES", 64 << 20))
+    c = Communicator.create(mesh, AXIS, getattr(request.module, "COMM_BYTES", 64 << 20),
+                            checked=getattr(request.module, "COMM_CHECKED", False))
     yield c
     c.close()

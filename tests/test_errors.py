@@ -211,3 +211,17 @@ def test_ops_outside_shard_map_or_on_a_wrong_axis_say_what_to_do():
 def test_ep_runtime_error_is_the_jax_runtime_error_users_catch():
     assert issubclass(jax_ep.EpRuntimeError, jax.errors.JaxRuntimeError)
     assert issubclass(jax_ep.EpRuntimeError, RuntimeError)
+
+
+@pytest.mark.skipif(not __import__("jax_ep")._native.cuda_built(),
+                    reason="the status messages are the native module's")
+def test_a_status_message_names_the_op_the_cause_and_the_call():
+    """What a kernel's status code becomes (the deferred report must name the
+    call that caused it: issue 15 item 1); op 3 = dispatch, cause 1 = bad id."""
+    from jax_ep import _native
+    describe = _native.module().describe_status
+    code = (3 << 16) | (1 << 8)
+    msg = describe(code, 1, 0, 10.0, 1234)
+    assert "dispatch" in msg and "expert id" in msg and "EP rank 1" in msg, msg
+    assert "[call 1234 on device 0]" in msg, msg
+    assert "[call" not in describe(code, 1, 0, 10.0, 0), "an unknown call number (0) is left out"

@@ -268,6 +268,31 @@ def check_errors_then_next_call_works(comm):
   _assert_same(good, ref, "dispatch after errors")
 
 
+def test_a_deferred_error_names_the_call_that_caused_it(comm):
+  """Deferred mode (the default): the bad call returns; the error, raised by
+  check(), names that call's number on its device, which info()'s `calls`
+  brackets (issue 15 item 1)."""
+  rng = np.random.default_rng(stable_seed("deferred-call-number"))
+  R, T, H, K, E = comm.num_ranks, 32, 128, 2, 8
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+  idx[R - 1, 5, 1] = E + 2
+  f = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+      x, i, w, num_experts=E, backend="cuda").recv_x)
+  args = [h.put(comm.mesh, v) for v in (x, idx, w)]
+  jax.block_until_ready(f(*args))  # compile first: the counts below are one run's
+  with pytest.raises(jax_ep.EpRuntimeError):
+    comm.check()
+  last = comm.info()[-1]
+  before = last["calls"]
+  jax.block_until_ready(f(*args))
+  after = comm.info()[-1]["calls"]
+  with pytest.raises(jax_ep.EpRuntimeError, match="expert id") as e:
+    comm.check()
+  m = re.search(rf"\[call (\d+) on device {last['device_ordinal']}\]", str(e.value))
+  assert m, str(e.value)
+  assert before < int(m.group(1)) <= after, (before, m.group(1), after)
+
+
 def test_thousand_repetitions_no_drift_no_hang(comm):
   """1000 back-to-back dispatch -> combine calls in one jitted loop all give
   the bits of the first call (equality with the reference is the matrix above)."""

@@ -344,3 +344,26 @@ def test_public_low_latency_ops_lower_to_the_kernels_once_validated(monkeypatch,
     recv = _custom_calls(text, f"jax_ep_ll_{op}_recv")[0]
     token = re.match(r"\s*(%\S+)", send).group(1)
     assert token in recv.split("(", 1)[1], (send, recv)
+
+
+def test_a_second_communicator_on_an_axis_is_an_error_unless_replace(monkeypatch):
+    """Ops pick the Communicator of their axis: a second create on that axis
+    must not shadow the first silently (issue 15 item 4)."""
+    from jax_ep import comm as _comm
+
+    closed = []
+    monkeypatch.setattr(_comm._native, "module",
+                        lambda: type("M", (), {"comm_destroy": staticmethod(closed.append)}))
+    old = _comm.Communicator(comm_id=41, mesh=_mesh(2), axis_name="ep", num_bytes=1 << 21,
+                             timeout_s=1.0)
+    monkeypatch.setitem(_comm._defaults, "ep", old)
+    with pytest.raises(ValueError, match="already open.*replace=True"):
+        _comm.Communicator.create(_mesh(2), "ep")
+    assert not old.closed and _comm.current("ep") is old
+    # replace=True validates the new one's arguments before closing the old:
+    # a CPU mesh is refused and the old one stays.
+    with pytest.raises(ValueError, match="GPUs"):
+        _comm.Communicator.create(_mesh(2), "ep", replace=True)
+    assert not old.closed and closed == []
+    old.close()
+    assert closed == [41] and _comm.current("ep") is None

@@ -88,6 +88,7 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   }
   lease.comm = comm;
   lease.dev = dev;
+  ++dev->calls;
   if (!take_status) return ffi::Error::Success();
   // An error a kernel reported since the last call surfaces now, before more
   // work goes onto a communicator in an unknown state.
@@ -173,14 +174,14 @@ void RegisterCudaBindings(nb::module_& m) {
   m.def(
       "comm_create_groups",
       [](std::vector<std::tuple<nb::bytes, int, std::vector<int>, std::vector<int>>> specs,
-         size_t num_bytes, double timeout_s) {
+         size_t num_bytes, double timeout_s, bool checked) {
         std::vector<jax_ep::GroupSpec> groups;
         for (auto& [uid, nranks, ranks, ordinals] : specs)
           groups.push_back(MakeGroup(uid, nranks, std::move(ranks), std::move(ordinals)));
         nb::gil_scoped_release release;
-        return jax_ep::CreateComm(groups, num_bytes, timeout_s);
+        return jax_ep::CreateComm(groups, num_bytes, timeout_s, checked);
       },
-      nb::arg("groups"), nb::arg("num_bytes"), nb::arg("timeout_s"),
+      nb::arg("groups"), nb::arg("num_bytes"), nb::arg("timeout_s"), nb::arg("checked") = false,
       "Like comm_create for several EP groups at once (every local device of a mesh), "
       "groups = [(unique_id, nranks, ranks, device_ordinals), ...]; one comm_id for all.");
 
@@ -205,6 +206,7 @@ void RegisterCudaBindings(nb::module_& m) {
           e["nranks"] = d.nranks;
           e["group"] = d.group;
           e["window_bytes"] = d.window_bytes;
+          e["calls"] = d.calls;
           e["lsa_size"] = d.devcomm.lsaSize;
           e["gin_mask"] = d.gin_mask;
           e["gin_emulated"] = d.gin_emulated;
@@ -261,6 +263,15 @@ void RegisterCudaBindings(nb::module_& m) {
       nb::arg("comm_id"),
       "Reads and clears the device status words; '' when no kernel reported an error. "
       "Only reports what finished kernels wrote: synchronise first.");
+
+  m.def(
+      "describe_status",
+      [](uint32_t code, int rank, int device_ordinal, double timeout_s, unsigned long long call) {
+        return jax_ep::DescribeStatus(code, rank, device_ordinal, timeout_s, call);
+      },
+      nb::arg("code"), nb::arg("rank"), nb::arg("device_ordinal"), nb::arg("timeout_s"),
+      nb::arg("call") = 0,
+      "The message of a status code (what a kernel's error becomes); for tests.");
 
   m.def(
       "time_d2d_memcpy",

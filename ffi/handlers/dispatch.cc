@@ -135,7 +135,8 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   if (cudaError_t err = LaunchDispatch(a, peers, s, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
-  return LeaveStream(*lease.dev, start ? kOp : nullptr);
+  if (start) return LeaveStream(*lease.dev, kOp);  // its done does the check
+  return EndCall(lease, stream);
 }
 
 ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
@@ -199,7 +200,8 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   if (cudaError_t err = LaunchCombine(a, peers, s, CeLaneFor(*lease.dev)); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }
-  return LeaveStream(*lease.dev, start ? kOp : nullptr);
+  if (start) return LeaveStream(*lease.dev, kOp);  // its done does the check
+  return EndCall(lease, stream);
 }
 
 }  // namespace

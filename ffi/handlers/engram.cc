@@ -157,7 +157,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   if (cudaError_t err = LaunchEngramPublish(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_publish launch");
   }
-  return ffi::Error::Success();
+  return EndCall(lease, stream);
 }
 
 ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
@@ -182,7 +182,7 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
   if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
-  return ffi::Error::Success();
+  return EndCall(lease, stream);
 }
 
 ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
@@ -224,7 +224,7 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   if (cudaError_t err = LaunchEngramFetch(fa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
-  return ffi::Error::Success();
+  return EndCall(lease, stream);
 }
 
 }  // namespace

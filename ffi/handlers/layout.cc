@@ -67,7 +67,7 @@ ffi::Error DispatchLayoutExecute(cudaStream_t stream, int32_t device_ordinal, Co
   if (cudaError_t err = LaunchDispatchLayout(args, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "get_dispatch_layout launch");
   }
-  return ffi::Error::Success();
+  return EndCall(lease, stream);
 }
 
 }  // namespace

@@ -86,7 +86,7 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
       err != cudaSuccess) {
     return CudaError(err, "low_latency_dispatch launch");
   }
-  return ffi::Error::Success();
+  return EndCall(lease, stream);
 }
 
 LlDispatchArgs DispatchConfig(int32_t num_experts, int32_t max_tokens, int32_t fp8, int32_t ue8m0,
@@ -205,7 +205,7 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
       err != cudaSuccess) {
     return CudaError(err, "low_latency_combine launch");
   }
-  return ffi::Error::Success();
+  return EndCall(lease, stream);
 }
 
 LlCombineArgs CombineConfig(int32_t num_experts, int32_t max_tokens, int64_t reserved_bytes,

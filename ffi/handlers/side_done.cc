@@ -42,7 +42,9 @@ ffi::Error SideDoneExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
                                   "result only through its *_done");
     }
   }
-  return ffi::Error::Success();
+  // Checked mode: the start's error is this done's (XLA's stream now waits
+  // for the start's kernels).
+  return EndCall(lease, stream);
 }
 
 }  // namespace

@@ -85,6 +85,28 @@ inline ffi::Error LeaveStream(DeviceResources& d, const char* start_op) {
   return ffi::Error::Success();
 }
 
+// The end of an op's execute once its kernels are enqueued on `stream`. In
+// checked mode (Communicator.create(checked=True)) it waits for them and
+// returns the error they reported, so the program that caused it fails and
+// fetching any of its results raises (docs/errors.md). Deferred otherwise,
+// and also while XLA captures the stream into a command buffer (no waiting
+// there): the next op on the device, or Communicator.check(), reports it.
+inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
+  if (!lease.comm->checked) return ffi::Error::Success();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    return ffi::Error::Success();
+  }
+  if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_ep: waiting for the kernels (checked mode): ") +
+                                cudaGetErrorString(err));
+  }
+  std::string msg = lease.comm->TakeStatusMessage(*lease.dev);
+  if (!msg.empty()) return ffi::Error::Internal(msg);
+  return ffi::Error::Success();
+}
+
 // The part of every execute binding that is the same for all jax_ep targets:
 // stream, device ordinal, the shared state and the `comm_id` attribute, in
 // the order the handlers take them.

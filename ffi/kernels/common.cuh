@@ -39,7 +39,10 @@ struct EpPeers {
   int rank;
   int nranks;
   size_t window_bytes;
-  uint32_t* status;               // mapped pinned host word (device pointer)
+  // Mapped pinned host words (device pointer): [0] the first error's code,
+  // [2..3] the u64 `call` of the op that reported it.
+  uint32_t* status;
+  unsigned long long call;        // this op's number on its device (AcquireDevice)
   unsigned long long* epoch;      // device-local barrier epoch counter
   unsigned long long* grid_sync;  // device-local, 0 between kernels (CeReleaseOnExit)
   unsigned long long timeout_ns;  // give up waiting on a peer after this
@@ -66,7 +69,11 @@ __device__ __forceinline__ void report_error(const EpPeers& p, Op op, Cause caus
                                              uint32_t detail = 0) {
   uint32_t code = (static_cast<uint32_t>(op) << 16) |
                   (static_cast<uint32_t>(cause) << 8) | (detail & 0xffu);
-  atomicCAS_system(p.status, 0u, code);
+  // Only the first error is kept, with the number of the call that made it
+  // (a deferred report must name the call, not the one that finds it).
+  if (atomicCAS_system(p.status, 0u, code) == 0u) {
+    atomicExch_system(reinterpret_cast<unsigned long long*>(p.status + 2), p.call);
+  }
   __threadfence_system();
 }
 

@@ -7,7 +7,9 @@ the same process run:
   jax_ep_ce               the same kernels with JAX_EP_REMOTE=ce: remote rows staged, then
                           moved by the copy engine (ffi/kernels/ce_push.h)
   reference               jax_ep's pure-JAX backend (backend="reference")
-  jax_ragged_all_to_all   sort by expert + lax.ragged_all_to_all (MaxText style)
+  jax_ragged_all_to_all   sort by expert + lax.ragged_all_to_all (MaxText style); then
+                          jax_ragged_all_to_all[mode], the same under each XLA flag of
+                          RAGGED_XLA_MODES, one process each (a refused flag is recorded)
   jax_capacity_all_to_all per-expert capacity-padded lax.all_to_all (factor 1.25)
   jax_all_to_all          one row per (token, destination rank) + dense all_to_all
   copy_engine             bidirectional 256 MB cudaMemcpyPeerAsync (cupy), the ceiling
@@ -312,6 +314,63 @@ def _ragged_all_to_all_dispatch(x, topk_idx, *, shape: Shape, axis: str):
 
 # ---------------------------------------------------------------- runs
 
+# JAX_EP_REMOTE each jax_ep impl runs with (None: as the caller set it, the
+# analytic default). Session 4's jax_ep_ce rows were SM stores: a rename had
+# left "sm" here (issue 12); tests/test_benchmarks_cpu.py checks the names.
+IMPL_REMOTE = {"jax_ep": None, "jax_ep_ce": "ce"}
+
+# XLA modes of ragged_all_to_all to try, one process each (flags are read
+# once when the backend starts, and an unknown flag aborts it): names found
+# in XLA's debug options of 2025-26 releases; which ones this jaxlib's CUDA
+# plugin accepts is recorded, not assumed.
+RAGGED_XLA_MODES = {
+    "one_shot": "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true",
+    "nccl": "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false",
+    "decomposer": "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true",
+    "symmetric_memory": "--xla_gpu_ragged_all_to_all_mode=COLLECTIVES_SYMMETRIC_MEMORY",
+}
+
+
+def ragged_modes(shape: "Shape", out_dir: str, timeout_s: int = 300) -> list[dict]:
+  """sort + ragged_all_to_all under each RAGGED_XLA_MODES flag, each in a
+  fresh process; a mode whose flag the plugin refuses gives a record with
+  time_us None and its reason."""
+  import subprocess
+  import tempfile
+  records = []
+  for mode, flag in RAGGED_XLA_MODES.items():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+    with tempfile.TemporaryDirectory() as tmp:
+      cmd = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--tokens",
+             str(shape.tokens), "--impls", "jax_ragged_all_to_all", "--no-ragged-modes",
+             "--only-out"]
+      try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc, tail = res.returncode, (res.stdout + res.stderr)[-600:]
+      except subprocess.TimeoutExpired:
+        rc, tail = None, f"timed out after {timeout_s} s"
+      got = []
+      path = os.path.join(tmp, "normal.json")
+      if rc == 0 and os.path.exists(path):
+        with open(path) as fh:
+          got = [r for r in json.load(fh) if r.get("impl") == "jax_ragged_all_to_all"]
+    for r in got:
+      r.update(impl=f"jax_ragged_all_to_all[{mode}]", xla_flags=flag)
+    if not got:
+      why = "flag not accepted" if "nknown" in tail and "flag" in tail else f"rc {rc}"
+      got = [dict(bench="normal_dispatch", impl=f"jax_ragged_all_to_all[{mode}]", dtype="bf16",
+                  tokens_per_rank=shape.tokens, ranks=shape.ranks, time_us=None,
+                  xla_flags=flag, failed=why, log_tail=tail)]
+    for r in got:
+      t = r.get("time_us")
+      print(f"  ragged_all_to_all [{mode:16s}] {flag}: "
+            f"{'-' if t is None else f'{t:.1f} us'}{'' if t else ' (' + r['failed'] + ')'}",
+            flush=True)
+    records += got
+  return records
+
+
 def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list[dict]:
   import jax
   from jax.sharding import Mesh
@@ -359,8 +418,8 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
         nsms = None if impl == "reference" else sms
         # Read by the kernels' launcher at every call (ce_push.h).
         remote_before = os.environ.get("JAX_EP_REMOTE")
-        if impl == "jax_ep_ce":
-          os.environ["JAX_EP_REMOTE"] = "sm"
+        if IMPL_REMOTE.get(impl) is not None:
+          os.environ["JAX_EP_REMOTE"] = IMPL_REMOTE[impl]
         f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
         bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
         f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
@@ -412,10 +471,12 @@ def _finish(records: list[dict], ce_gbps: Optional[float], ce_note: str, machine
                       machine=machine, date=date, commit=commit, note=ce_note))
 
 
-def write_records(records: list[dict], out_dir: str, name: str) -> str:
+def write_records(records: list[dict], out_dir: str, name: str, repo_copy: bool = True) -> str:
   """Writes out_dir/<name>.json and, when out_dir is elsewhere, the copy kept
   in the repository (benchmarks/results/<name>.json). Returns the first path."""
-  paths = [os.path.join(out_dir, f"{name}.json"), os.path.join(RESULTS_DIR, f"{name}.json")]
+  paths = [os.path.join(out_dir, f"{name}.json")]
+  if repo_copy:
+    paths.append(os.path.join(RESULTS_DIR, f"{name}.json"))
   for path in dict.fromkeys(os.path.abspath(p) for p in paths):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -427,11 +488,11 @@ def _table(records: list[dict]) -> str:
   hdr = f"{'bench':16s} {'impl':24s} {'dtype':5s} {'tok':>6s} {'time_us':>10s} {'nvlink':>8s} {'logical':>8s} {'sms':>4s} {'x_ce':>6s}"
   lines = [hdr, "-" * len(hdr)]
   for r in records:
-    f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
-    lines.append(f"{r['bench']:16s} {r['impl']:24s} {r['dtype']:5s} {f(r['tokens_per_rank'], '%6d'):>6s} "
-                 f"{f(r['time_us'], '%10.1f'):>10s} {f(r['nvlink_gbps'], '%8.1f'):>8s} "
-                 f"{f(r['logical_gbps'], '%8.1f'):>8s} {f(r['sms'], '%4d'):>4s} "
-                 f"{f(r['ratio_to_copy_engine'], '%6.2f'):>6s}")
+    f = lambda k, fmt: (fmt % r[k]) if r.get(k) is not None else "-"  # noqa: E731
+    lines.append(f"{r['bench']:16s} {r['impl']:24s} {r['dtype']:5s} {f('tokens_per_rank', '%6d'):>6s} "
+                 f"{f('time_us', '%10.1f'):>10s} {f('nvlink_gbps', '%8.1f'):>8s} "
+                 f"{f('logical_gbps', '%8.1f'):>8s} {f('sms', '%4d'):>4s} "
+                 f"{f('ratio_to_copy_engine', '%6.2f'):>6s}")
   return "\n".join(lines)
 
 
@@ -490,6 +551,10 @@ def main(argv=None) -> int:
   ap.add_argument("--sweep", action="store_true", help="tokens 128..16384, writes a PNG")
   ap.add_argument("--tokens", type=int, default=None)
   ap.add_argument("--impls", default=None, help="comma list, e.g. jax_ep,jax_all_to_all")
+  ap.add_argument("--no-ragged-modes", action="store_true",
+                  help="skip ragged_all_to_all under XLA's other modes (one process each)")
+  ap.add_argument("--only-out", action="store_true",
+                  help="write the JSON to --out only, not also to benchmarks/results")
   args = ap.parse_args(argv)
 
   gpus = require_two_gpus("bench_normal")
@@ -514,9 +579,12 @@ def main(argv=None) -> int:
     if args.impls:
       impls = args.impls.split(",")
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)
+    if not args.quick and not args.no_ragged_modes:
+      records += ragged_modes(Shape(tokens=t), args.out)
   _finish(records, ce, ce_note, machine)
 
-  write_records(records, args.out, "normal_sweep" if args.sweep else "normal")
+  write_records(records, args.out, "normal_sweep" if args.sweep else "normal",
+                repo_copy=not args.only_out)
   if args.sweep:
     png = os.path.join(args.out, "normal_sweep.png")
     _plot(records, png)

@@ -122,3 +122,52 @@ def test_moe_bench_shared_expert_overlap_records_equal_steps_on_cpu():
   assert [r["impl"] for r in recs] == ["jax_ep_shared", "jax_ep_shared_overlap"]
   assert all(r["time_us"] > 0 and r["dispatch_us"] > 0 for r in recs)
   assert "dispatch_hidden_share" in recs[-1]
+
+
+def _bench_normal():
+  sys.path.insert(0, BENCH)
+  try:
+    return importlib.import_module("bench_normal")
+  finally:
+    sys.path.remove(BENCH)
+
+
+def test_each_jax_ep_bench_impl_sets_what_its_name_says():
+  """jax_ep_ce once ran with JAX_EP_REMOTE=sm (a rename left the value
+  behind), so its rows were the SM path (issue 12 item 3)."""
+  bn = _bench_normal()
+  for impl, remote in bn.IMPL_REMOTE.items():
+    assert impl.startswith("jax_ep")
+    want = impl.rsplit("_", 1)[1] if impl.count("_") > 1 else None  # jax_ep_ce -> ce
+    assert remote == want, (impl, remote)
+  assert bn.IMPL_REMOTE["jax_ep_ce"] == "ce"
+
+
+def test_ragged_modes_run_each_flag_in_its_own_process_and_record_refusals(monkeypatch, tmp_path):
+  import json
+  import subprocess
+  import types
+  bn = _bench_normal()
+  seen = []
+
+  def fake_run(cmd, env, capture_output, text, timeout):
+    flag = env["XLA_FLAGS"].split()[-1]
+    seen.append(flag)
+    out = cmd[cmd.index("--out") + 1]
+    if "symmetric" in flag.lower():  # as a plugin without the flag would answer
+      return types.SimpleNamespace(returncode=1, stdout="",
+                                   stderr=f"Unknown flag in XLA_FLAGS: {flag}")
+    with open(os.path.join(out, "normal.json"), "w") as f:
+      json.dump([dict(bench="normal_dispatch", impl="jax_ragged_all_to_all", dtype="bf16",
+                      tokens_per_rank=64, time_us=123.0)], f)
+    return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  recs = bn.ragged_modes(bn.Shape(tokens=64), str(tmp_path))
+  assert seen == list(bn.RAGGED_XLA_MODES.values())
+  by = {r["impl"]: r for r in recs}
+  assert by["jax_ragged_all_to_all[one_shot]"]["time_us"] == 123.0
+  assert by["jax_ragged_all_to_all[one_shot]"]["xla_flags"] == bn.RAGGED_XLA_MODES["one_shot"]
+  sym = by["jax_ragged_all_to_all[symmetric_memory]"]
+  assert sym["time_us"] is None and sym["failed"] == "flag not accepted"
+  print(bn._table(recs))

@@ -63,6 +63,7 @@ fi
   printf '%-12s %s\n' "demo" "$demo"
   printf '%-12s %s\n' "train" "$train"
   printf '%-12s %s\n' "benchmarks" "$bench_ran run; failed:${bench_failed:- none}; skipped:${bench_skipped:- none}"
+  printf '%-12s %s\n' "elapsed" "$(( $(date +%s) - ${T0:-$(date +%s)} )) s (steps: $(grep -o '+[0-9]*s\] [a-z_]*' "$LOGS/steps.log" 2>/dev/null | tr -d '[]' | tr '\n' ' '))"
   "$PY" - "$BENCH" <<'PYEOF'
 import json, pathlib, sys
 rows = []
@@ -93,7 +94,9 @@ exit $status
 trap 'status=1; build="${build} (run cut short by a signal)"; finish' TERM INT
 trap finish EXIT
 
-note() { echo "== $*" | tee -a "$LOGS/steps.log"; }
+T0=$(date +%s)
+# Each step with the seconds since the start: where a device call's time goes.
+note() { echo "== [+$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOGS/steps.log"; }
 
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 export JAX_EP_TEST_GPUS=${JAX_EP_TEST_GPUS:-$(( NGPU < 2 ? 1 : 2 ))}
@@ -204,7 +207,7 @@ for b in benchmarks/bench_*.py; do
   bench_ran=$((bench_ran + 1))
   extra_var="GPU_CHECK_ARGS_$name"
   read -r -a extra <<<"${!extra_var:-}"
-  echo "-- $name ${extra[*]}"
+  echo "-- [+$(( $(date +%s) - T0 ))s] $name ${extra[*]}" | tee -a "$LOGS/steps.log"
   timeout 900 "$PY" "$b" --out "$BENCH" "${extra[@]}" >"$LOGS/$name.log" 2>&1
   rc=$?
   if [ $rc -eq 2 ]; then

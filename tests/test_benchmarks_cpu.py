@@ -15,7 +15,7 @@ BENCH = os.path.join(os.path.dirname(HERE), "benchmarks")
 
 @pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="would run the benchmark")
 @pytest.mark.parametrize("name", ["bench_normal", "bench_engram", "bench_low_latency", "profile_normal",
-                                  "bench_grouped_gemm", "bench_moe"])
+                                  "bench_grouped_gemm", "bench_moe", "soak"])
 def test_benchmark_exits_2_without_gpus(name, tmp_path):
   sys.path.insert(0, BENCH)
   try:
@@ -171,3 +171,20 @@ def test_ragged_modes_run_each_flag_in_its_own_process_and_record_refusals(monke
   sym = by["jax_ragged_all_to_all[symmetric_memory]"]
   assert sym["time_us"] is None and sym["failed"] == "flag not accepted"
   print(bn._table(recs))
+
+
+def test_soak_runs_on_cpu_with_the_reference():
+  """benchmarks/soak.py's loop (chunks, drift check, memory, record) on 8 CPU
+  devices with the reference backend, so the GPU run meets no script bug."""
+  import numpy as np
+  from jax.sharding import Mesh
+  sys.path.insert(0, BENCH)
+  try:
+    soak = importlib.import_module("soak")
+  finally:
+    sys.path.remove(BENCH)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+  rec = soak.run_soak(mesh, backend="reference", pairs=6, chunk=3, max_seconds=60, tokens=16,
+                      hidden=128)
+  assert rec["status"] == "ok", rec
+  assert rec["pairs"] == 6 and rec["pairs_per_s"] > 0

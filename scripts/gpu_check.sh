@@ -8,6 +8,7 @@
 #   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files
 #   ("none": no tests),
 #   GPU_CHECK_DEMO=none skips the demo and the example training run;
+#   GPU_CHECK_SOAK=SECONDS also runs benchmarks/soak.py for that long;
 #   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all);
 #   GPU_CHECK_PYTEST_ARGS replaces pytest's -x (e.g. "" to run every test
 #   past a failure); GPU_CHECK_ARGS_<bench>="..." extra arguments for one
@@ -217,6 +218,15 @@ for b in benchmarks/bench_*.py; do
   fi
   grep -E "^  (up|down) " "$LOGS/$name.log" || true
 done
+
+if [ "$build" = ok ] && [ -n "${GPU_CHECK_SOAK:-}" ]; then
+  note "soak (${GPU_CHECK_SOAK} s of dispatch + combine pairs)"
+  bench_ran=$((bench_ran + 1))
+  timeout $(( GPU_CHECK_SOAK + 300 )) "$PY" benchmarks/soak.py --out "$BENCH" \
+      --max-seconds "$GPU_CHECK_SOAK" >"$LOGS/soak.log" 2>&1 \
+    || { status=1; bench_failed="$bench_failed soak"; }
+  tail -2 "$LOGS/soak.log"
+fi
 
 note "profile (per-kernel GPU times of dispatch / combine)"
 if [ "$build" = ok ] && [ "$NGPU" -ge 2 ] && [ -z "${GPU_CHECK_BENCH:-}" ]; then

@@ -109,4 +109,52 @@ def raise_if(bad: jax.Array, message: str, *details: jax.Array, axis_name: str) 
   def _cb(b, *d):
     if int(b):
       raise EpRuntimeError(message.format(*[np.asarray(v).tolist() for v in d]))
+  _quiet_reports()
   jax.debug.callback(_cb, bad, *details)
+
+
+_QUIET = False
+
+
+def _quiet_reports() -> None:
+  """The message once, where the user fetches the result (issue 15 item 7).
+
+  Every rank's callback raises (so every rank stops at the same point, see
+  raise_if), and jax logs each one with its traceback: that log drops
+  EpRuntimeError records. jax also keeps the failed program's runtime
+  token and re-raises it at exit ("Exception ignored in atexit callback"):
+  an exit handler that runs before jax's waits for those tokens itself and
+  reduces a jax_ep error there to one line. Both lean on jax internals
+  (the logger's name, jax._src.dispatch.runtime_tokens); if they move,
+  the messages are as verbose as before, never lost."""
+  global _QUIET
+  if _QUIET:
+    return
+  _QUIET = True
+  import atexit
+  import logging
+
+  class _DropEpErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+      return not (record.exc_info and isinstance(record.exc_info[1], EpRuntimeError))
+
+  logging.getLogger("jax._src.debugging").addFilter(_DropEpErrors())
+  atexit.register(_drain_runtime_tokens)  # atexit is LIFO: before jax's own
+
+
+def _drain_runtime_tokens() -> None:
+  try:
+    from jax._src import dispatch
+    tokens = dispatch.runtime_tokens
+  except (ImportError, AttributeError):
+    return
+  try:
+    tokens.block_until_ready()
+  except jax.errors.JaxRuntimeError as e:
+    if "EpRuntimeError" not in str(e):
+      raise
+    import sys
+    line = next((ln for ln in str(e).splitlines() if "EpRuntimeError:" in ln), "")
+    print(f"jax_ep: at exit, a program still held a run-time error "
+          f"({line.split('EpRuntimeError:', 1)[-1].strip()})", file=sys.stderr)
+    tokens.clear()

@@ -225,3 +225,34 @@ def test_a_status_message_names_the_op_the_cause_and_the_call():
     assert "dispatch" in msg and "expert id" in msg and "EP rank 1" in msg, msg
     assert "[call 1234 on device 0]" in msg, msg
     assert "[call" not in describe(code, 1, 0, 10.0, 0), "an unknown call number (0) is left out"
+
+
+def test_a_run_time_error_prints_once_not_once_per_rank(tmp_path):
+    """Issue 15 item 7: on 8 CPU devices a bad expert id used to log a
+    traceback per rank and again in an atexit callback; now the user's
+    exception carries it and at most one line follows at exit."""
+    import subprocess
+    import sys
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import numpy as np, jax, jax.numpy as jnp, jax_ep\n"
+        "from jax.sharding import Mesh, PartitionSpec as P\n"
+        "mesh = Mesh(np.array(jax.devices()), ('ep',))\n"
+        "R = len(jax.devices())\n"
+        "x = jnp.ones((R * 4, 128), jnp.bfloat16)\n"
+        "idx = jnp.zeros((R * 4, 2), jnp.int32).at[3, 0].set(99).at[:, 1].set(1)\n"
+        "f = jax.jit(jax.shard_map(lambda x, i: jax_ep.dispatch(x, i, None, num_experts=16).recv_x,\n"
+        "            mesh=mesh, in_specs=(P('ep'), P('ep')), out_specs=P('ep')))\n"
+        "try:\n"
+        "    np.asarray(f(x, idx))\n"
+        "except jax.errors.JaxRuntimeError as e:\n"
+        "    assert 'expert id' in str(e)\n"
+        "    print('CAUGHT')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env.update(JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0 and "CAUGHT" in res.stdout, res.stderr[-3000:]
+    assert "jax.debug.callback failed" not in res.stderr, res.stderr[-3000:]
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.count("expert id") <= 1, res.stderr[-3000:]

@@ -4,8 +4,6 @@
 BF16 and FP8 dispatch, BF16 combine, rank layout (DeepEP "normal"). Measured in
 the same process run:
   jax_ep                  the CUDA kernels (backend="cuda"), remote rows by SM NVLink stores
-  jax_ep_ce               the same kernels with JAX_EP_REMOTE=ce: remote rows staged, then
-                          moved by the copy engine (ffi/kernels/ce_push.h)
   reference               jax_ep's pure-JAX backend (backend="reference")
   jax_ragged_all_to_all   sort by expert + lax.ragged_all_to_all (MaxText style); then
                           jax_ragged_all_to_all[mode], the same under each XLA flag of
@@ -314,11 +312,6 @@ def _ragged_all_to_all_dispatch(x, topk_idx, *, shape: Shape, axis: str):
 
 # ---------------------------------------------------------------- runs
 
-# JAX_EP_REMOTE each jax_ep impl runs with (None: as the caller set it, the
-# analytic default). Session 4's jax_ep_ce rows were SM stores: a rename had
-# left "sm" here (issue 12); tests/test_benchmarks_cpu.py checks the names.
-IMPL_REMOTE = {"jax_ep": None, "jax_ep_ce": "ce"}
-
 # XLA modes of ragged_all_to_all to try, one process each (flags are read
 # once when the backend starts, and an unknown flag aborts it): names found
 # in XLA's debug options of 2025-26 releases; which ones this jaxlib's CUDA
@@ -386,7 +379,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
   sms = int(os.environ.get("JAX_EP_NUM_SMS", "0")) or 24
   results = []
-  impls = impls or ["jax_ep", "jax_ep_ce", "reference", "jax_all_to_all",
+  impls = impls or ["jax_ep", "reference", "jax_all_to_all",
                     "jax_capacity_all_to_all", "jax_ragged_all_to_all"]
 
   def record(bench, impl, dtype, t, row_bytes, nsms=None):
@@ -413,13 +406,9 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
     for impl in impls:
-      if impl in ("jax_ep", "jax_ep_ce", "reference"):
+      if impl in ("jax_ep", "reference"):
         backend = "reference" if impl == "reference" else "cuda"
         nsms = None if impl == "reference" else sms
-        # Read by the kernels' launcher at every call (ce_push.h).
-        remote_before = os.environ.get("JAX_EP_REMOTE")
-        if IMPL_REMOTE.get(impl) is not None:
-          os.environ["JAX_EP_REMOTE"] = IMPL_REMOTE[impl]
         f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
         bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
         f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
@@ -435,10 +424,6 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
         row_w = rw.max(axis=-1)  # a per-row weight (rank layout rows carry K weights)
         f_comb = smap(lambda y, hd, wr, b=backend: jax_ep.combine(y, hd, wr, backend=b))
         bench("normal_combine", impl, "bf16", f_comb, (recv, handle, row_w), bf16_row, nsms)
-        if remote_before is None:
-          os.environ.pop("JAX_EP_REMOTE", None)
-        else:
-          os.environ["JAX_EP_REMOTE"] = remote_before
       elif impl == "jax_all_to_all":
         f = smap(functools.partial(_dense_all_to_all_dispatch, shape=shape, axis="ep"))
         bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)
@@ -575,7 +560,7 @@ def main(argv=None) -> int:
       records += run(Shape(tokens=t), quick=True, impls=impls)
   else:
     t = args.tokens or (1024 if args.quick else 4096)
-    impls = None if not args.quick else ["jax_ep", "jax_ep_ce", "reference", "jax_all_to_all"]
+    impls = None if not args.quick else ["jax_ep", "reference", "jax_all_to_all"]
     if args.impls:
       impls = args.impls.split(",")
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)

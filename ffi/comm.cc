@@ -312,7 +312,6 @@ EpPeers DeviceResources::peers() const {
   p.status = status_dev;
   p.call = calls;
   p.epoch = counters;
-  p.grid_sync = counters + 1;
   p.timeout_ns = timeout_ns;
   p.gin_mask = gin_mask;
   p.gin = gin_dev;
@@ -388,7 +387,6 @@ void CommResources::Close() {
     if (d.status_host != nullptr) WarnCuda(cudaFreeHost(d.status_host), "cudaFreeHost");
     if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
     if (d.gin_dev != nullptr) WarnCuda(cudaFree(d.gin_dev), "cudaFree(GIN state)");
-    DestroyCeLane(d.ce);
     DestroySideLane(d.side);
     d.gin_dev = nullptr;
     d.window_ptr = nullptr;
@@ -552,7 +550,6 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
       UploadGinComm(d);
     }
     FetchPeerPointers(d);
-    CheckCuda(CreateCeLane(d.ce), "creating the copy-engine stream", d.device_ordinal);
     CheckCuda(CreateSideLane(d.side), "creating the stream of the *_start ops", d.device_ordinal);
   }
   for (auto& d : res->devices) {

@@ -37,7 +37,6 @@
 
 #include "engram_versions.h"
 #include "side_lane.h"
-#include "kernels/ce_push.h"
 #include "kernels/common.cuh"
 
 namespace jax_ep {
@@ -47,8 +46,8 @@ namespace jax_ep {
 // not use ncclLsaBarrierSession with blockIdx.x as the index.
 constexpr int kLsaBarrierCount = 64;
 
-// Device-local counters, zeroed at create. Slots 0 and 1 back EpPeers.epoch and
-// EpPeers.grid_sync, slots 2..15 the low-latency kernels (low_latency.cuh),
+// Device-local counters, zeroed at create. Slot 0 backs EpPeers.epoch (slot
+// 1 is unused), slots 2..15 the low-latency kernels (low_latency.cuh),
 // slots from kGinSnapshotCounter on EpPeers.gin_snapshot
 // (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount); the rest are free for
 // kernels that need scratch counters.
@@ -118,19 +117,12 @@ struct DeviceResources {
   unsigned long long calls = 0;
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
-  CeLane ce;                        // copy-engine stream of the normal ops (ce_push.h)
   SideLane side;                    // stream of dispatch_start / combine_start (side_lane.h)
   // Engram publications live in this device's window (engram_versions.h).
   std::shared_ptr<EngramVersions> engram_versions = std::make_shared<EngramVersions>();
 
   EpPeers peers() const;
 };
-
-// The device's copy-engine lane when its normal ops move remote rows by copy
-// engine (UseCopyEngine), else null.
-inline CeLane* CeLaneFor(DeviceResources& d) {
-  return UseCopyEngine(d.nranks, d.gin_mask) ? &d.ce : nullptr;
-}
 
 class CommResources {
  public:

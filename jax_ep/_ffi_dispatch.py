@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import _native
 from jax_ep._checks import is_fp8_pair
 from jax_ep._ffi import _call
 from jax_ep._types import DispatchHandle, DispatchOutput
@@ -48,7 +49,7 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
              _combine_window_end(num_ranks, tokens_per_rank, hidden, topk, y_bytes))
 
 
-_OP_AREA = 4096 + 4 * 8 * 4096 + 4096  # header + chunk counters + CE flags (kOpAreaOffset)
+_OP_AREA = _native.WINDOW_HEADER_BYTES + 4 * 8 * 4096  # + chunk counters (window_layout.h kOpAreaOffset)
 
 
 def dispatch_window_end(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
@@ -67,7 +68,7 @@ def dispatch_window_end(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
   scales_off = _align16(payload)
   meta_off = _align16(scales_off + 4 * (h // 128)) if fp8 else scales_off
   row = _align16(meta_off + 4 * (3 * k + 1))
-  return recv + 2 * r * t * row  # recv + staging (copy engine / GIN)
+  return recv + 2 * r * t * row  # recv + staging (GIN peers)
 
 
 def _combine_window_end(r: int, t: int, h: int, k: int, y_bytes: int) -> int:

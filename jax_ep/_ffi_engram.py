@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import _native
 from jax_ep._ffi import _call
 
 Array = jax.Array
 
 TABLE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 _ALIGN = 256
-_HEADER_BYTES = 4096
+_HEADER_BYTES = _native.WINDOW_HEADER_BYTES
 
 
 def _row_bytes(dim: int, dtype) -> int:

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import _native
 from jax_ep._ffi import _call
 
 Array = jax.Array
 
 _ALIGN = 256
-_HEADER_BYTES = 4096
+_HEADER_BYTES = _native.WINDOW_HEADER_BYTES
 
 
 def _up(n: int) -> int:

@@ -13,6 +13,11 @@ from typing import Any
 _lock = threading.Lock()
 _registered = False
 
+# The first bytes of every rank's window belong to the runtime (barrier
+# flags): the one Python copy of ffi/kernels/common.cuh kWindowHeaderBytes,
+# tested against the built module's `window_header_bytes`.
+WINDOW_HEADER_BYTES = 4096
+
 TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch",
            "jax_ep_combine", "jax_ep_engram_publish", "jax_ep_engram_fetch",
            "jax_ep_engram_publish_fetch", "jax_ep_grouped_gemm",

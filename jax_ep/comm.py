@@ -27,10 +27,9 @@ from jax.sharding import Mesh
 from jax_ep import _native
 from jax_ep._checks import EpRuntimeError
 
-# NCCL's symmetric windows come in 2 MiB granules; the first 4 KiB of each
-# rank's window belong to the runtime (barrier flags).
+# NCCL's symmetric windows come in 2 MiB granules.
 _GRANULE = 2 << 20
-_HEADER_BYTES = 4096
+_HEADER_BYTES = _native.WINDOW_HEADER_BYTES
 MIN_NUM_BYTES = _GRANULE
 DEFAULT_NUM_BYTES = 1 << 30
 MAX_RANKS = 8

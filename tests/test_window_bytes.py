@@ -40,3 +40,8 @@ def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved
   got = _ffi_low_latency.window_bytes_needed(num_ranks=R, max_tokens=M, hidden=H, topk=K,
                                              num_experts=E, reserved_bytes=reserved)
   assert got == want, (R, M, H, K, E, reserved, got, want)
+
+
+def test_the_window_header_size_is_the_native_one():
+  """The header size is written once per language (issue 12 item 5)."""
+  assert _native.WINDOW_HEADER_BYTES == _native.module().window_header_bytes

@@ -132,7 +132,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
     return err;
   }
   lease.dev->engram_versions->Invalidate(0, DispatchWindowNeed(a, peers.nranks));
-  if (cudaError_t err = LaunchDispatch(a, peers, s, CeLaneFor(*lease.dev)); err != cudaSuccess) {
+  if (cudaError_t err = LaunchDispatch(a, peers, s); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
   if (start) return LeaveStream(*lease.dev, kOp);  // its done does the check
@@ -197,7 +197,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   }
   lease.dev->engram_versions->Invalidate(
       0, CombineWindowBytes(peers.nranks, a.num_tokens, a.hidden, a.topk, a.y_dtype, a.layout));
-  if (cudaError_t err = LaunchCombine(a, peers, s, CeLaneFor(*lease.dev)); err != cudaSuccess) {
+  if (cudaError_t err = LaunchCombine(a, peers, s); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }
   if (start) return LeaveStream(*lease.dev, kOp);  // its done does the check

@@ -36,8 +36,6 @@ struct CombineCfg {
   int T, H, K, E, C;
   int expert;
   int has_w;
-  int ce_rows;      // > 0: rows go back by copy engine (rank layout; ce_push.h)
-  uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
   int gin_rows;     // > 0: some peer is on GIN; its rows are chunked by this many (gin_stage.cuh)
 };
 
@@ -110,7 +108,7 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
 }
 
 // y row `row` and its weight into the window row `dst_row` (a peer's slot,
-// or this rank's staging area in copy-engine mode). The caller counts it.
+// or this rank's staging area for a GIN source). The caller counts it.
 __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const CombineWindow& w,
                                                const CombineIO& io, char* dst_row, int row) {
   const int lane = LaneId();
@@ -201,8 +199,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   __shared__ int s_sent[kMaxRanks];       // rows my handle expects from rank j
   __shared__ int s_announced[kMaxRanks];  // rows rank j said it sends me
   __shared__ int s_ok;
-  __shared__ int s_sends[kMaxRanks];      // copy-engine mode: rows this rank sends to rank j
-  __shared__ uint32_t s_epoch;
+  __shared__ int s_sends[kMaxRanks];      // rows this rank sends to rank j
   const int R = p.nranks, r = p.rank;
   const int lane = LaneId();
   constexpr int kWarps = kThreads / 32;
@@ -223,7 +220,6 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
     }
     s_prefix[R] = acc;
     for (int j = 0; j < R; ++j) s_sends[j] = s_ok ? s_prefix[j + 1] - s_prefix[j] : 0;
-    s_epoch = static_cast<uint32_t>(*p.epoch);
   }
   __syncthreads();
   const bool ok = s_ok != 0;  // the same on every rank (start kernel)
@@ -231,8 +227,6 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
   char* const my = p.base[r];
   const GinChunkGeometry geo{w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows};
-  if (c.ce_rows > 0 && blockIdx.x == 0)
-    MarkEmptyCeChunks(my, R, r, s_sends, c.ce_rows, NumChunks(c.T, c.ce_rows), c.ce_seq);
 
   if (!ok) {
     // Nobody sends: every output token gets zeros (and an error is reported).
@@ -258,13 +252,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         for (int d = 1; d < R; ++d) {
           const int j = (r + d) % R;
           if (pos >= s_sends[j]) continue;
-          if (c.ce_rows > 0) {
-            const int ch = pos / c.ce_rows;
-            SendCombineRow(c, w, io, my + w.stage_off + (static_cast<size_t>(j) * c.T + pos) * w.row_bytes,
-                           s_prefix[j] + pos);
-            CountStaged(ChunkCounter(my, j, ch), static_cast<uint32_t>(min(c.ce_rows, s_sends[j] - ch * c.ce_rows)),
-                        CeReady(my, j, ch), 1u << j, c.ce_seq);
-          } else if ((p.gin_mask >> j) & 1u) {
+          if ((p.gin_mask >> j) & 1u) {
             const int ch = pos / c.gin_rows;
             SendCombineRow(c, w, io, my + w.stage_off + (static_cast<size_t>(j) * c.T + pos) * w.row_bytes,
                            s_prefix[j] + pos);
@@ -331,8 +319,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   bool match = true;
   for (int j = 0; j < R; ++j) match &= s_sent[j] == s_announced[j];
   if (!match) {
-    // (Copy-engine flags hold epochs, not counts: nothing to drain.)
-    if (rw == 0 && c.ce_rows == 0) {
+    if (rw == 0) {
       if (lane == 0) report_error(p, Op::kCombine, Cause::kBadIndex);
       const int nch = NumChunks(c.T, chunk);
       for (int j = 0; j < R; ++j) {
@@ -378,9 +365,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       for (unsigned m = mask & ~(1u << r); m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
         const int pj = __shfl_sync(kFullMask, pos, j);
-        if (c.ce_rows > 0) {
-          alive = WaitChunk(p, CeArrived(my, j, pj / c.ce_rows), s_epoch, Op::kCombine, j, t0);
-        } else if ((p.gin_mask >> j) & 1u) {
+        if ((p.gin_mask >> j) & 1u) {
           const int ch = pj / c.gin_rows;
           alive = GinWaitSignalWarp(p, Op::kCombine, GinSignalId(j, ch), GinExpected(p, j, ch, 1), j, t0);
         } else {
@@ -468,7 +453,6 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
                                                                   EpPeers p, CombineIO io,
                                                                   int send_blocks) {
   CombineData<TY, kHasW>(c, w, p, io, send_blocks);
-  if (c.ce_rows > 0) CeReleaseOnExit(p, NumChunks(c.T, c.ce_rows), c.ce_seq);
 }
 
 template <typename TY>
@@ -502,7 +486,7 @@ std::string ValidateCombine(const CombineArgs& a, const EpPeers& p) {
   return "";
 }
 
-cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream, CeLane* ce) {
+cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream) {
   const int R = p.nranks;
   CombineCfg c{};
   c.T = a.num_tokens;
@@ -513,21 +497,11 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   c.expert = a.layout == EpLayout::kExpert;
   c.has_w = a.weights != nullptr;
   const CombineWindow w(R, c.T, c.H, c.K, EpDtypeBytes(a.y_dtype), c.expert);
-  // Expert layout: a source's slots [t][k] interleave the ranks, so no
-  // rank's rows form one block to copy; those stay on SM stores.
-  if (c.expert) ce = nullptr;
-  if (ce != nullptr) {
-    c.ce_rows = CeChunkRows(c.T, CeCopies());
-    c.ce_seq = ++ce->seq;
-  }
-  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;  // (no copy engine then: UseCopyEngine)
+  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
   CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
-  if (ce != nullptr) {
-    if (cudaError_t err = CeFork(*ce, stream); err != cudaSuccess) return err;
-  }
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, kThreads / 32, R, 0.5, &send_blocks, &recv_blocks);
@@ -538,8 +512,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
     case EpDtype::kF16: LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
     default: LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || ce == nullptr) return err;
-  return EnqueueCeCopies(*ce, p, CeCopyOf(w, c.T, c.ce_rows, c.ce_seq), stream);
+  return cudaGetLastError();
 }
 
 }  // namespace jax_ep

@@ -44,7 +44,6 @@ struct EpPeers {
   uint32_t* status;
   unsigned long long call;        // this op's number on its device (AcquireDevice)
   unsigned long long* epoch;      // device-local barrier epoch counter
-  unsigned long long* grid_sync;  // device-local, 0 between kernels (CeReleaseOnExit)
   unsigned long long timeout_ns;  // give up waiting on a peer after this
   uint32_t gin_mask;              // bit j: rank j is reached by GIN, base[j] is null
   const void* gin;                // GIN state (gin.cuh's GinComm), null without GIN

@@ -55,8 +55,6 @@ struct DispatchCfg {
   int in_bytes;     // bytes per element of x
   int has_scales;   // payload is FP8 (input FP8 or cast)
   int ue8m0;
-  int ce_rows;      // > 0: remote rows go by copy engine in chunks of this many (ce_push.h)
-  uint32_t ce_seq;  // copy-engine mode: this op's ready-flag value
   int gin_rows;     // > 0: rows to GIN peers are staged and put in chunks of this many (gin_stage.cuh)
 };
 
@@ -412,7 +410,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 
 // Token t to the ranks in `dest` (lane j < R holds its row position in rank
 // j as `pos`, and lane_rows = where row 0 of this rank's slot for rank j
-// is: rank j's window, or the staging area in copy-engine mode), payload
+// is: rank j's window, or for a GIN peer the staging area), payload
 // cast to FP8 on the way if kCast. Returns with the stores possibly still
 // in flight.
 template <typename TIn, bool kCast>
@@ -649,18 +647,14 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
                                                                    int send_blocks) {
   __shared__ int s_prefix[kMaxRanks + 1];
   __shared__ int s_sends[kMaxRanks];  // rows this rank sends to rank j
-  __shared__ uint32_t s_epoch;
   const int R = p.nranks, r = p.rank;
   const DispatchScratch sc(R, c.E);
   const int* scratch = ScratchOf(p, w);
   const bool send_ok = scratch[DispatchScratch::kSendOk] != 0;  // grid-uniform
   if (threadIdx.x <= R) s_prefix[threadIdx.x] = scratch[sc.prefix + threadIdx.x];
   if (threadIdx.x < R) s_sends[threadIdx.x] = send_ok ? scratch[sc.tokens_per_rank + threadIdx.x] : 0;
-  if (threadIdx.x == 0) s_epoch = static_cast<uint32_t>(*p.epoch);
   __syncthreads();
   char* const my = p.base[r];
-  if (c.ce_rows > 0 && blockIdx.x == 0)
-    MarkEmptyCeChunks(my, R, r, s_sends, c.ce_rows, NumChunks(c.T, c.ce_rows), c.ce_seq);
   const bool ok = scratch[DispatchScratch::kOk] != 0;           // grid-uniform
   const int lane = LaneId();
   constexpr int kWarps = kThreads / 32;
@@ -689,9 +683,9 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
     const int jl = lane < R ? lane : 0;
     const bool gin_lane = lane < R && ((p.gin_mask >> lane) & 1u);
-    // Rows for a GIN peer (or all remote rows in copy-engine mode) are staged
-    // in my window; an LSA peer's go straight into its window.
-    char* const lane_rows = (c.ce_rows > 0 || gin_lane)
+    // Rows for a GIN peer are staged in my window; an LSA peer's go straight
+    // into its window.
+    char* const lane_rows = gin_lane
                                 ? my + w.stage_off + static_cast<size_t>(jl) * c.T * w.row_bytes
                                 : lane_base + w.row(r, 0, c.T);
     const int lane_sends = s_sends[jl];
@@ -705,21 +699,14 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
       SendToken<TIn, kCast>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r]);
       const unsigned remote = dest & ~(1u << r);
       if (remote == 0) continue;
-      if (c.ce_rows > 0) {
-        const int ch = pos >= 0 ? pos / c.ce_rows : 0;
-        CountStaged(pos >= 0 ? ChunkCounter(my, jl, ch) : nullptr,
-                    static_cast<uint32_t>(min(c.ce_rows, lane_sends - ch * c.ce_rows)),
-                    pos >= 0 ? CeReady(my, jl, ch) : nullptr, remote, c.ce_seq);
-      } else {
-        const unsigned lsa = remote & ~p.gin_mask, gin = remote & p.gin_mask;
-        if (lsa != 0)
-          CountRowsDone(pos >= 0 && !gin_lane ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, lsa);
-        if (gin != 0) {
-          const int gch = pos >= 0 && gin_lane ? pos / c.gin_rows : 0;
-          GinCountStaged(p, Op::kDispatch, geo, pos >= 0 && gin_lane ? ChunkCounter(my, jl, gch) : nullptr,
-                         static_cast<uint32_t>(min(c.gin_rows, lane_sends - gch * c.gin_rows)), gch, gin,
-                         gin_channels);
-        }
+      const unsigned lsa = remote & ~p.gin_mask, gin = remote & p.gin_mask;
+      if (lsa != 0)
+        CountRowsDone(pos >= 0 && !gin_lane ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, lsa);
+      if (gin != 0) {
+        const int gch = pos >= 0 && gin_lane ? pos / c.gin_rows : 0;
+        GinCountStaged(p, Op::kDispatch, geo, pos >= 0 && gin_lane ? ChunkCounter(my, jl, gch) : nullptr,
+                       static_cast<uint32_t>(min(c.gin_rows, lane_sends - gch * c.gin_rows)), gch, gin,
+                       gin_channels);
       }
     }
     GinFlushWarp(p, gin_channels);
@@ -735,9 +722,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         const int s = (r - d + R) % R;  // the source that sends to us first, first
         const int n = s_prefix[s + 1] - s_prefix[s];
         if (pos >= n) continue;
-        if (c.ce_rows > 0) {
-          alive = WaitChunk(p, CeArrived(my, s, pos / c.ce_rows), s_epoch, Op::kDispatch, s, t0);
-        } else if ((p.gin_mask >> s) & 1u) {
+        if ((p.gin_mask >> s) & 1u) {
           const int ch = pos / c.gin_rows;
           alive = GinWaitSignalWarp(p, Op::kDispatch, GinSignalId(s, ch), GinExpected(p, s, ch, 1), s, t0);
         } else {
@@ -753,7 +738,6 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   if (!ok) {
     for (int row = gwarp; row < c.C; row += gwarps) out.Zero(row);
   }
-  if (c.ce_rows > 0) CeReleaseOnExit(p, NumChunks(c.T, c.ce_rows), c.ce_seq);
 }
 
 }  // namespace
@@ -841,7 +825,7 @@ std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p) {
   return "";
 }
 
-cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream, CeLane* ce) {
+cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream) {
   const int R = p.nranks;
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
   const bool fp8 = a.cast_fp8 || fp8_in;
@@ -858,12 +842,6 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   c.has_scales = fp8;
   c.ue8m0 = a.ue8m0;
   const DispatchWindow w(R, c.T, c.H, c.K, c.E, fp8 ? 1 : c.in_bytes, fp8);
-  if (ce != nullptr) {
-    c.ce_rows = CeChunkRows(c.T, CeCopies());
-    c.ce_seq = ++ce->seq;
-  }
-  // UseCopyEngine is false whenever some peer is on GIN, so the two stagings
-  // never meet.
   c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;
   PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
@@ -872,9 +850,6 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   DispatchPrepKernel<<<R + (c.expert ? c.E : 0), kPrepThreads, 0, stream>>>(c, w, p, a.topk_idx, a.pos_in_rank);
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
-  if (ce != nullptr) {
-    if (cudaError_t err = CeFork(*ce, stream); err != cudaSuccess) return err;
-  }
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;
@@ -895,8 +870,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   } else {
     DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || ce == nullptr) return err;
-  return EnqueueCeCopies(*ce, p, CeCopyOf(w, c.T, c.ce_rows, c.ce_seq), stream);
+  return cudaGetLastError();
 }
 
 }  // namespace jax_ep

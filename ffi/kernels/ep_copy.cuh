@@ -170,61 +170,6 @@ __device__ __forceinline__ void CountRowsDone(uint32_t* counter, unsigned mask) 
   }
 }
 
-// Copy-engine mode (ce_push.h): the warp has staged its rows for the
-// destinations in `mask` in this rank's own window; lane j holds its row's
-// (local) chunk counter, the number of rows that chunk holds and the
-// chunk's ready flag. The warp that completes a chunk raises the flag the
-// copy-engine stream waits for. Same fence-then-count as CountRowsDone: the
-// copy engine must see every row of the chunk once it sees the flag.
-__device__ __forceinline__ void CountStaged(uint32_t* counter, uint32_t rows, uint32_t* ready,
-                                            unsigned mask, uint32_t seq) {
-  __syncwarp();
-  if (LaneId() == 0) __threadfence_system();
-  for (unsigned m = mask; m; m &= m - 1) {
-    const int j = __ffs(m) - 1;
-    uint32_t* c = ShflPtr(counter, j);
-    uint32_t* f = ShflPtr(ready, j);
-    const uint32_t n = __shfl_sync(kFullMask, rows, j);
-    if (LaneId() == 0 && atomicAdd(c, 1u) + 1u == n)
-      asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(f), "r"(seq) : "memory");
-  }
-}
-
-// Copy-engine mode: raise the ready flags of every chunk at or past
-// rows[j] (nothing will be staged there, but the copy engine copies whole
-// slots and waits for every chunk). All threads of the calling block.
-__device__ inline void MarkEmptyCeChunks(char* mine, int R, int me, const int* rows, int chunk_rows,
-                                         int chunks, uint32_t seq) {
-  for (int i = threadIdx.x; i < R * chunks; i += blockDim.x) {
-    const int j = i / chunks, ch = i % chunks;
-    if (j != me && ch * chunk_rows >= rows[j])
-      asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(CeReady(mine, j, ch)), "r"(seq) : "memory");
-  }
-}
-
-// Copy-engine mode: every CTA of a data kernel calls this last (all its
-// threads); the last one to get here raises all of this op's ready flags,
-// so a flag that stayed down cannot hold the copy-engine stream forever
-// (ce_push.h). Raising a flag that is up already changes nothing.
-// p.grid_sync counts the CTAs that got here; the last one resets it.
-__device__ inline void CeReleaseOnExit(const EpPeers& p, int chunks, uint32_t seq) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(p.grid_sync, 1ull) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  if (threadIdx.x == 0) *p.grid_sync = 0;
-  char* const mine = p.base[p.rank];
-  for (int i = threadIdx.x; i < p.nranks * chunks; i += blockDim.x) {
-    const int j = i / chunks, ch = i % chunks;
-    if (j != p.rank)
-      asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(CeReady(mine, j, ch)), "r"(seq) : "memory");
-  }
-}
-
 // Warp-wide wait until `counter` reaches `expected` (acquire; the warp may
 // then load the chunk's rows). False after reporting a timeout. The status
 // word is not looked at: a wait only happens once every rank has agreed to

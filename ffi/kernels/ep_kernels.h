@@ -20,7 +20,6 @@
 #include <string>
 #include <cuda_runtime.h>
 
-#include "ce_push.h"
 #include "common.cuh"
 
 namespace jax_ep {
@@ -94,9 +93,8 @@ std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p);
 std::string ValidateCombine(const CombineArgs& a, const EpPeers& p);
 
 // Enqueues the whole op on `stream`. Device-side errors go to the status word.
-// `ce`: this device's copy-engine lane when UseCopyEngine says so, else null.
-cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream, CeLane* ce);
-cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream, CeLane* ce);
+cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream);
+cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream);
 
 // Bytes (from the window base, header included) that one config needs; the
 // communicator's size hint should be at least this (window_layout.h).

@@ -2,7 +2,7 @@
 // sent and waited for (the transport itself is gin.cuh).
 //
 // A sender stages its rows for GIN peer j in its own window (the stage area,
-// as in copy-engine mode, window_layout.h), counts them on its own chunk
+// window_layout.h), counts them on its own chunk
 // counters, and the warp that completes a chunk puts the whole chunk to j's
 // receive area with the chunk's data signal: channel = chunk index, so chunk
 // c of source s is vouched for by signal GinSignalId(s, c) on the receiver.

@@ -1,7 +1,7 @@
 // Where normal dispatch / combine put their data inside the symmetric window.
 //
 // Every rank's window is [runtime header (kWindowHeaderBytes)] [chunk
-// counters] [copy-engine flags] [op area]. The op area is shared by all ops; that is safe because
+// counters] [op area]. The op area is shared by all ops; that is safe because
 // every dispatch / combine starts with a rank barrier before its first store
 // into a peer's window, so a peer can never still be reading the previous
 // op's data there.
@@ -14,15 +14,6 @@
 // still crossing the link. Each op zeroes its own counters before its first
 // barrier; peers only add after that barrier, and the previous op's adds had
 // all landed (its receiver waited for them) before the zeroing.
-//
-// Copy-engine flags (u32 [kMaxRanks][kMaxCeChunks] each, a fixed region too;
-// used when the remote rows travel by copy engine, ce_push.h): ready[j][c]
-// of a rank = "my rows of chunk c for rank j are staged" (value: the host's
-// op sequence number, which the copy-engine stream waits for); arrived[s][c]
-// = "source s's copy of chunk c has landed here" (value: the barrier epoch,
-// copied from the source's device counter by its copy engine after the
-// data). Both only ever hold values of past or current ops, so they are
-// never zeroed. In that mode the chunk counters count staged rows locally.
 //
 // Dispatch op area (offsets from the window base, all 16-byte aligned, from
 // kOpAreaOffset on):
@@ -40,9 +31,9 @@
 //   recv    rows[R][T]        row [s][p] = the p-th token of source s that
 //                             comes here; a source writes its own rows at
 //                             known offsets, so it needs nothing from us.
-//   stage   rows[R][T]        copy-engine mode and GIN peers: row [j][p] =
+//   stage   rows[R][T]        GIN peers: row [j][p] =
 //                             my p-th token for rank j, staged here for the
-//                             copy engine / GIN puts, which move [j][0, T)
+//                             GIN puts, which move [j][0, T)
 //                             to rank j's recv[me].
 // A dispatch row: payload (H * elem bytes, padded to 16), FP8 scales
 // (H/128 f32, padded to 16, only for FP8 payloads), then meta: ids[K] (local
@@ -55,7 +46,7 @@
 //   sent_out u64[R]           GIN peers: my sent word for rank j, staged here
 //   recv    rows[R][T] (rank layout, slot [j][pos_in_rank[t, j]]) or
 //           rows[T][K] (expert layout, slot [t][k])
-//   stage   rows[R][T]        copy-engine mode and GIN peers, rank layout: row
+//   stage   rows[R][T]        GIN peers, rank layout: row
 //                             [s][p] = my row for source s's slot [me][p];
 //                             GIN peers, expert layout: one row per sending
 //                             warp, put to the slot [t][k] one at a time
@@ -64,7 +55,7 @@
 //
 // Bytes the window needs (see WindowBytesNeeded; mirrored in Python by
 // jax_ep._ffi_dispatch.window_bytes_needed):
-//   header 4096 + counters 128 KiB + CE flags 4 KiB
+//   header 4096 + counters 128 KiB
 //     + max(dispatch_op_bytes, combine_op_bytes)
 // with, for the normal shape (R=2, T=4096, H=7168, K=8, E=256, bf16):
 //   dispatch = 2 * 2*4096*(14336 + 112) + small ≈ 237 MB,
@@ -84,12 +75,8 @@ JAX_EP_HD size_t Align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15);
 
 constexpr int kChunksPerSource = 4096;
 constexpr size_t kChunkCountersOffset = kWindowHeaderBytes;
-constexpr int kMaxCeChunks = 64;
-constexpr size_t kCeReadyOffset =
+constexpr size_t kOpAreaOffset =
     kChunkCountersOffset + 4 * static_cast<size_t>(kMaxRanks) * kChunksPerSource;
-constexpr size_t kCeArrivedOffset = kCeReadyOffset + 4 * static_cast<size_t>(kMaxRanks) * kMaxCeChunks;
-constexpr size_t kOpAreaOffset = kCeReadyOffset + 4096;
-static_assert(8 * static_cast<size_t>(kMaxRanks) * kMaxCeChunks <= 4096, "CE flags fit their region");
 
 // Rows per chunk when a source sends at most `max_rows` rows to one rank:
 // 32 rows (~450 KB of BF16 H=7168 rows) keeps the receiver a few µs behind the
@@ -100,16 +87,6 @@ JAX_EP_HD int ChunkRows(long long max_rows) {
 }
 JAX_EP_HD int NumChunks(long long rows, int chunk_rows) {
   return static_cast<int>((rows + chunk_rows - 1) / chunk_rows);
-}
-// Copy-engine chunk: rows per copy when a source's T-row slot is moved in
-// `copies` copies; whole chunk-counter chunks, at most kMaxCeChunks of them.
-JAX_EP_HD int CeChunkRows(long long T, int copies) {
-  const int base = ChunkRows(T);
-  long long rows = (T + copies - 1) / (copies > 0 ? copies : 1);
-  const long long min_rows = (T + kMaxCeChunks - 1) / kMaxCeChunks;
-  if (rows < min_rows) rows = min_rows;
-  rows = (rows + base - 1) / base * base;
-  return static_cast<int>(rows > base ? rows : base);
 }
 
 // Layout of the i32 scratch a rank keeps for itself during a dispatch.
@@ -192,13 +169,6 @@ struct CombineWindow {
   }
 };
 
-// The copy-engine flags of `base`'s window.
-JAX_EP_HD uint32_t* CeReady(char* base, int dest, int chunk) {
-  return reinterpret_cast<uint32_t*>(base + kCeReadyOffset) + dest * kMaxCeChunks + chunk;
-}
-JAX_EP_HD uint32_t* CeArrived(char* base, int src, int chunk) {
-  return reinterpret_cast<uint32_t*>(base + kCeArrivedOffset) + src * kMaxCeChunks + chunk;
-}
 
 // Window bytes for dispatch (both layouts, payload of `x_elem_bytes`, FP8
 // scales if `fp8`; an FP8 payload is 1 byte per channel) and combine (both layouts, `y_elem_bytes`) of one config.

@@ -341,6 +341,11 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, call);
 }
 
+uint32_t CommResources::PeekStatus(const DeviceResources& dev) const {
+  if (dev.status_host == nullptr) return 0;
+  return *static_cast<volatile uint32_t*>(dev.status_host);
+}
+
 std::string CommResources::TakeStatusMessage() {
   std::string all;
   for (auto& d : devices) {
@@ -585,6 +590,23 @@ std::shared_ptr<CommResources> LookupComm(int64_t comm_id) {
   std::lock_guard<std::mutex> lock(reg.mu);
   auto it = reg.comms.find(comm_id);
   return it == reg.comms.end() ? nullptr : it->second;
+}
+
+bool IsFatalStatus(uint32_t code) {
+  if (code == 0) return false;
+  switch (static_cast<Cause>((code >> 8) & 0xffu)) {
+    case Cause::kBadExpertId:
+    case Cause::kCapacityOverflow:
+    case Cause::kBadIndex:
+    case Cause::kStalePublication:
+      return false;
+    case Cause::kPeerTimeout:
+      // 0x80: the peer took part but failed its own checks (it reports why);
+      // only a peer that did not arrive leaves the barriers out of step.
+      return (code & 0x80u) == 0;
+    default:
+      return true;
+  }
 }
 
 std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double timeout_s,

@@ -136,8 +136,10 @@ class CommResources {
 
   // Reads (and clears) every local device's status word; "" when all are 0.
   std::string TakeStatusMessage();
-  // Same for one device; used by handlers before they enqueue work.
+  // Same for one device; used by handlers after they enqueue work.
   std::string TakeStatusMessage(DeviceResources& dev);
+  // The device's status code without clearing it (0: no error).
+  uint32_t PeekStatus(const DeviceResources& dev) const;
 
   // Releases all GPU/NCCL resources (collective over the group's ranks).
   // Idempotent. Waits for work already enqueued on the devices.
@@ -178,6 +180,12 @@ void DestroyComm(int64_t comm_id);
 std::shared_ptr<CommResources> LookupComm(int64_t comm_id);
 
 // "jax_ep <op> on rank r (device d): <cause>" for a non-zero status code.
+// An error after which the communicator's cross-rank state may be out of
+// step (a peer that did not arrive, low-latency calls out of order): the
+// next op is refused rather than run. After the others (bad ids, overflow, bad Engram
+// index, stale publication) the kernels left every shared word consistent,
+// so the next op runs, its peers do not wait for it, and then it reports.
+bool IsFatalStatus(uint32_t code);
 // `call`: the number of the op that reported it on its device (0: unknown).
 std::string DescribeStatus(uint32_t code, int rank, int device_ordinal,
                            double timeout_s, unsigned long long call = 0);

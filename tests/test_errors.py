@@ -256,3 +256,21 @@ def test_a_run_time_error_prints_once_not_once_per_rank(tmp_path):
     assert "jax.debug.callback failed" not in res.stderr, res.stderr[-3000:]
     assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
     assert res.stderr.count("expert id") <= 1, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(not __import__("jax_ep")._native.cuda_built(),
+                    reason="the status classification is the native module's")
+def test_which_errors_refuse_the_next_op():
+    """After a bad id, an overflow, a bad Engram index, a stale publication
+    or a peer that failed its own checks the next op runs (its peers do not
+    wait for it) and then reports; after a peer that never arrived, or
+    low-latency calls out of order, it is refused (issue 15 item 2)."""
+    from jax_ep import _native
+    fatal = _native.module().is_fatal_status
+    code = lambda op, cause, detail=0: (op << 16) | (cause << 8) | detail  # noqa: E731
+    assert not fatal(0)
+    for cause in (1, 2, 4, 6):  # bad id, overflow, bad index, stale publication
+        assert not fatal(code(3, cause)), cause
+    assert not fatal(code(3, 3, 0x80 | 1))  # peer 1 failed this call
+    assert fatal(code(3, 3, 1))             # peer 1 did not arrive
+    assert fatal(code(5, 7))                # low-latency out of order

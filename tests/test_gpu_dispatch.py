@@ -284,8 +284,44 @@ def test_a_deferred_error_names_the_call_that_caused_it(comm):
   with pytest.raises(jax_ep.EpRuntimeError, match="expert id") as e:
     comm.check()
   m = re.search(rf"\[call (\d+) on device {last['device_ordinal']}\]", str(e.value))
-  assert m, str(e.value)
+  assert m, str(e.value)  # (the last device: where the bad id is)
   assert before < int(m.group(1)) <= after, (before, m.group(1), after)
+
+
+def test_after_a_bad_id_the_next_call_runs_then_reports_and_no_peer_waits(comm):
+  """Issue 15 item 2: a device error pending from the last call no longer
+  makes the next op refuse (which left its peers waiting out timeout_s); it
+  runs, then fails naming the earlier error, within a fraction of the
+  timeout. The call after that works."""
+  import time
+  rng = np.random.default_rng(stable_seed("fail-fast"))
+  R, T, H, K, E = comm.num_ranks, 64, 256, 4, 16
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+  bad = idx.copy()
+  bad[R - 1, 3, 0] = E + 5
+  f = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+      x, i, w, num_experts=E, backend="cuda").recv_x)
+  put = lambda *vs: [h.put(comm.mesh, v) for v in vs]  # noqa: E731
+  try:
+    jax.block_until_ready(f(*put(x, bad, w)))
+  except jax.errors.JaxRuntimeError:
+    pass  # reported by the bad call itself: fine too
+  t0 = time.perf_counter()
+  try:
+    jax.block_until_ready(f(*put(x, idx, w)))
+  except jax.errors.JaxRuntimeError as e:
+    assert "expert id" in str(e) or "failed this call" in str(e), str(e)
+  took = time.perf_counter() - t0
+  assert took < comm.timeout_s / 2, f"the call after the bad one took {took:.1f} s"
+  try:
+    comm.check()
+  except jax_ep.EpRuntimeError:
+    pass
+  got = np.asarray(jax.block_until_ready(f(*put(x, idx, w))))
+  comm.check()
+  ref = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+      x, i, w, num_experts=E, backend="reference").recv_x)(*put(x, idx, w))
+  _assert_same(got, ref, "dispatch after the error")
 
 
 def test_thousand_repetitions_no_drift_no_hang(comm):

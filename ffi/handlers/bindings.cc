@@ -90,10 +90,13 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   lease.dev = dev;
   ++dev->calls;
   if (!take_status) return ffi::Error::Success();
-  // An error a kernel reported since the last call surfaces now, before more
-  // work goes onto a communicator in an unknown state.
-  std::string msg = comm->TakeStatusMessage(*dev);
-  if (!msg.empty()) return ffi::Error::Internal(msg);
+  // An error a kernel reported since the last call: after a fatal one
+  // (IsFatalStatus) this op is refused before it enqueues anything; any other
+  // is left for EndCall, so the op runs (its peers are not left waiting for
+  // it) and then reports the error.
+  const uint32_t pending = comm->PeekStatus(*dev);
+  if (IsFatalStatus(pending)) return ffi::Error::Internal(comm->TakeStatusMessage(*dev));
+  lease.report_pending = pending != 0;
   // Ops whose kernels reach every peer through its LSA pointer, which a GIN
   // peer does not have, are refused rather than let write through a null
   // one. Normal dispatch / combine (and so the low-latency ops built on
@@ -272,6 +275,9 @@ void RegisterCudaBindings(nb::module_& m) {
       nb::arg("code"), nb::arg("rank"), nb::arg("device_ordinal"), nb::arg("timeout_s"),
       nb::arg("call") = 0,
       "The message of a status code (what a kernel's error becomes); for tests.");
+
+  m.def("is_fatal_status", &jax_ep::IsFatalStatus, nb::arg("code"),
+        "True when the next op after this status code is refused (comm.h IsFatalStatus); for tests.");
 
   m.def(
       "time_d2d_memcpy",

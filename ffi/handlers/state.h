@@ -35,6 +35,8 @@ struct DeviceLease {
   CommResources* comm = nullptr;
   DeviceResources* dev = nullptr;
   std::shared_lock<std::shared_mutex> lock;
+  // A non-fatal error was pending when the op began: EndCall reports it.
+  bool report_pending = false;
 };
 
 // Checks that the state matches `comm_id`, that the communicator is open and
@@ -42,8 +44,9 @@ struct DeviceLease {
 // status word (the message names the op and cause). `op` names the caller.
 // Unless `gin_data_path` (the op's kernels branch on EpPeers::gin_mask
 // wherever they touch a peer), a communicator with GIN peers is refused.
-// take_status: surface (and clear) an error a kernel reported since the last
-// call; only a *_done skips it, so that it always releases its start.
+// take_status: refuse the op after a fatal error (IsFatalStatus) a kernel
+// reported since the last call (other errors are reported by EndCall); only
+// a *_done skips it, so that it always releases its start.
 ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordinal,
                          const char* op, DeviceLease& lease, bool gin_data_path = false,
                          bool take_status = true);
@@ -85,23 +88,28 @@ inline ffi::Error LeaveStream(DeviceResources& d, const char* start_op) {
   return ffi::Error::Success();
 }
 
-// The end of an op's execute once its kernels are enqueued on `stream`. In
-// checked mode (Communicator.create(checked=True)) it waits for them and
-// returns the error they reported, so the program that caused it fails and
-// fetching any of its results raises (docs/errors.md). Deferred otherwise,
-// and also while XLA captures the stream into a command buffer (no waiting
-// there): the next op on the device, or Communicator.check(), reports it.
+// The end of an op's execute once its kernels are enqueued on `stream`.
+// Deferred mode: the op fails with the earlier call's error that was pending
+// when it began (AcquireDevice), having run anyway so that its peers were
+// not left waiting for it. Checked mode (Communicator.create(checked=True)):
+// it waits for its own kernels and fails with their error, so the program
+// that caused it fails and fetching any of its results raises
+// (docs/errors.md); not while XLA captures the stream into a command buffer
+// (no waiting there), where it stays deferred.
 inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
-  if (!lease.comm->checked) return ffi::Error::Success();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    return ffi::Error::Success();
+  bool take = lease.report_pending;
+  if (lease.comm->checked) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+        capture == cudaStreamCaptureStatusNone) {
+      if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
+        return ffi::Error::Internal(std::string("jax_ep: waiting for the kernels (checked mode): ") +
+                                    cudaGetErrorString(err));
+      }
+      take = true;
+    }
   }
-  if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_ep: waiting for the kernels (checked mode): ") +
-                                cudaGetErrorString(err));
-  }
+  if (!take) return ffi::Error::Success();
   std::string msg = lease.comm->TakeStatusMessage(*lease.dev);
   if (!msg.empty()) return ffi::Error::Internal(msg);
   return ffi::Error::Success();

@@ -13,16 +13,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(os.path.dirname(HERE), "benchmarks")
 
 
+def _bench(name: str):
+  """A module of benchmarks/ (they import each other by plain name)."""
+  sys.path.insert(0, BENCH)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(BENCH)
+
+
 @pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="would run the benchmark")
 @pytest.mark.parametrize("name", ["bench_normal", "bench_engram", "bench_low_latency", "profile_normal",
                                   "bench_grouped_gemm", "bench_moe", "soak"])
 def test_benchmark_exits_2_without_gpus(name, tmp_path):
-  sys.path.insert(0, BENCH)
-  try:
-    mod = importlib.import_module(name)
-    assert mod.main(["--out", str(tmp_path)]) == 2
-  finally:
-    sys.path.remove(BENCH)
+  assert _bench(name).main(["--out", str(tmp_path)]) == 2
   assert not list(tmp_path.iterdir())
 
 
@@ -33,11 +37,7 @@ def test_moe_bench_variants_agree_on_cpu():
   makes before it times anything."""
   from jax.sharding import Mesh
   import numpy as np
-  sys.path.insert(0, BENCH)
-  try:
-    bm = importlib.import_module("bench_moe")
-  finally:
-    sys.path.remove(BENCH)
+  bm = _bench("bench_moe")
   devs = jax.devices()[:4]
   mesh = Mesh(np.array(devs), ("ep",))
   shape = bm.MoEShape(tokens=32, hidden=128, ffn=64, experts=16, topk=2)
@@ -61,11 +61,7 @@ def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):
   GPU-timeline kernel events count, grouped by family, per call."""
   import gzip
   import json
-  sys.path.insert(0, BENCH)
-  try:
-    bg = importlib.import_module("bench_grouped_gemm")
-  finally:
-    sys.path.remove(BENCH)
+  bg = _bench("bench_grouped_gemm")
   evs = [
       {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
       {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -87,12 +83,7 @@ def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):
 
 
 def test_moe_profile_families_split_dispatch_combine_from_gemms():
-  sys.path.insert(0, BENCH)
-  try:
-    bm = importlib.import_module("bench_moe")
-    bg = importlib.import_module("bench_grouped_gemm")
-  finally:
-    sys.path.remove(BENCH)
+  bm, bg = _bench("bench_moe"), _bench("bench_grouped_gemm")
   evs = [dict(name="jax_ep::DispatchDataKernel", dur=30.0),
          dict(name="jax_ep::CombineDataKernel", dur=20.0),
          dict(name="jax_ep::DispatchLayoutKernel", dur=5.0),
@@ -110,11 +101,7 @@ def test_moe_bench_shared_expert_overlap_records_equal_steps_on_cpu():
   recorded, with the share of a dispatch the overlap hid."""
   from jax.sharding import Mesh
   import numpy as np
-  sys.path.insert(0, BENCH)
-  try:
-    bm = importlib.import_module("bench_moe")
-  finally:
-    sys.path.remove(BENCH)
+  bm = _bench("bench_moe")
   mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
   shape = bm.MoEShape(tokens=16, hidden=128, ffn=64, experts=8, topk=2)
   x, params = bm.make_inputs(shape, mesh, jax.random.key(5))
@@ -125,11 +112,7 @@ def test_moe_bench_shared_expert_overlap_records_equal_steps_on_cpu():
 
 
 def _bench_normal():
-  sys.path.insert(0, BENCH)
-  try:
-    return importlib.import_module("bench_normal")
-  finally:
-    sys.path.remove(BENCH)
+  return _bench("bench_normal")
 
 
 def test_ragged_modes_run_each_flag_in_its_own_process_and_record_refusals(monkeypatch, tmp_path):
@@ -167,11 +150,7 @@ def test_soak_runs_on_cpu_with_the_reference():
   devices with the reference backend, so the GPU run meets no script bug."""
   import numpy as np
   from jax.sharding import Mesh
-  sys.path.insert(0, BENCH)
-  try:
-    soak = importlib.import_module("soak")
-  finally:
-    sys.path.remove(BENCH)
+  soak = _bench("soak")
   mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
   rec = soak.run_soak(mesh, backend="reference", pairs=6, chunk=3, max_seconds=60, tokens=16,
                       hidden=128)

@@ -142,3 +142,17 @@ def fetch_factory(*, reserved_bytes: int = 0, num_sms: int = 0):
                                reserved_bytes=reserved_bytes, num_sms=num_sms)
     return fn
   return with_comm
+
+
+def table_grad_cuda(d_rows: Array, indices: Array, v_l: int, dtype, *, axis_name: str) -> Array:
+  """The table shard's cotangent on the GPU: the reference's entries, sorted
+  stably by local row (so each row's entries stay in (source rank, token,
+  slot) order), summed per row in that order by a kernel
+  (ffi/kernels/engram_grad.cu): deterministic, and bitwise the reference's
+  CPU order."""
+  from jax_ep import reference as ref
+  rows, d = ref.engram_grad_entries(d_rows, indices, v_l, axis_name=axis_name)
+  order = jnp.argsort(rows, stable=True)
+  g = _call("jax_ep_engram_grad", jax.ShapeDtypeStruct((v_l, d.shape[1]), jnp.float32))(
+      rows[order], d[order])
+  return g.astype(dtype)

@@ -424,16 +424,26 @@ def engram_row_scales(indices: Array, scales: Array) -> Array:
   return jnp.where(indices >= 0, scales[jnp.maximum(indices, 0)], 0).astype(scales.dtype)
 
 
-def engram_table_grad(d_rows: Array, indices: Array, v_l: int, dtype, *, axis_name: str) -> Array:
-  """Row cotangents [T, e, D] -> cotangent of the local table shard [V/R, D].
-
-  Each owner sums, in float32 and in (source rank, token, slot) order, the
-  cotangents of the rows it served.
-  """
+def engram_grad_entries(d_rows: Array, indices: Array, v_l: int, *,
+                        axis_name: str) -> tuple[Array, Array]:
+  """What this owner must sum: every rank's (local row, f32 cotangent)
+  entries in (source rank, token, slot) order, [R*T*e] and [R*T*e, D]; rows
+  that are not this owner's are v_l."""
   r = lax.axis_index(axis_name)
   req = _gather(indices, axis_name).reshape(-1)
   d = _gather(d_rows.astype(jnp.float32), axis_name).reshape(req.shape[0], -1)
   mine = (req >= 0) & (req // v_l == r)
-  rows = jnp.where(mine, req - r * v_l, v_l)
+  return jnp.where(mine, req - r * v_l, v_l).astype(jnp.int32), d
+
+
+def engram_table_grad(d_rows: Array, indices: Array, v_l: int, dtype, *, axis_name: str) -> Array:
+  """Row cotangents [T, e, D] -> cotangent of the local table shard [V/R, D].
+
+  Each owner sums, in float32 and in (source rank, token, slot) order, the
+  cotangents of the rows it served (XLA's scatter keeps that order on CPU;
+  on GPU it adds with atomics, in no fixed order: the CUDA backend's kernel,
+  jax_ep/_ffi_engram.py table_grad_cuda, keeps it there).
+  """
+  rows, d = engram_grad_entries(d_rows, indices, v_l, axis_name=axis_name)
   g = jnp.zeros((v_l, d.shape[1]), jnp.float32).at[rows].add(d, mode="drop")
   return g.astype(dtype)

@@ -461,6 +461,19 @@ def engram_table_grad(V: int, indices: np.ndarray, g: np.ndarray) -> np.ndarray:
     return acc.astype(np.float32)
 
 
+def engram_table_grad_ordered(V: int, indices: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """The same gradient [V, D] as jax_ep sums it: float32, from +0.0, each
+    row's cotangents added in (source rank, token, slot) order (indices
+    [R, T, e], g [R, T, e, D])."""
+    D = g.shape[-1]
+    acc = np.zeros((V, D), np.float32)
+    flat_i, flat_g = indices.reshape(-1), g.reshape(-1, D).astype(np.float32)
+    for q in range(flat_i.shape[0]):
+        if flat_i[q] >= 0:
+            acc[flat_i[q]] = acc[flat_i[q]] + flat_g[q]
+    return acc
+
+
 def engram_grad_terms(V: int, indices: np.ndarray, g: np.ndarray):
     """Per table row: number of summed cotangents n[V, 1] and sum|g| [V, D]."""
     D = g.shape[-1]

@@ -132,6 +132,37 @@ def test_engram_table_grad_is_sum_of_row_cotangents_into_owner_shard(R, dtype, h
         assert np.all(err <= bound + 1e-30), f"max excess {np.max(err - bound)}"
 
 
+def test_the_kernels_gradient_entries_sorted_stably_sum_to_the_references_bits():
+    """The CUDA backend's table gradient sorts the reference's entries by
+    local row (stably) and sums each row's run in order
+    (_ffi_engram.table_grad_cuda; the sum is a kernel). On CPU: those
+    entries, summed in that order by NumPy, give the reference's gradient bit
+    for bit, on order-sensitive values (1e8, 1, -1e8 on hot rows)."""
+    from jax_ep import reference as ref
+    R, V, D, T, n = 4, 64, 8, 16, 3
+    rng = np.random.default_rng(11350)
+    idx = _indices(rng, R, T, n, V, hot=6)
+    G = rng.choice(np.float32([1e8, 1.0, -1e8, 0.5, -3.0]), size=(R, T, n, D)).astype(np.float32)
+    v_l = V // R
+
+    def entries(d, i):
+        rows, dd = ref.engram_grad_entries(d, i, v_l, axis_name="ep")
+        order = jnp.argsort(rows, stable=True)
+        return rows[order], dd[order]
+
+    rows, dd = run_sharded(R, entries, G, idx)
+    got = np.zeros((R, v_l, D), np.float32)
+    for r in range(R):  # the kernel's loop: a run of equal rows, added in order from +0.0
+        for q in range(rows.shape[1]):
+            if rows[r, q] < v_l:
+                got[r, rows[r, q]] = got[r, rows[r, q]] + dd[r, q]
+    want = run_sharded(R, lambda d, i: ref.engram_table_grad(d, i, v_l, jnp.float32,
+                                                              axis_name="ep"), G, idx)
+    np.testing.assert_array_equal(bits(got), bits(np.asarray(want)))
+    np.testing.assert_array_equal(
+        bits(got.reshape(V, D)), bits(oracle.engram_table_grad_ordered(V, idx, G)))
+
+
 @pytest.mark.isolated
 def test_engram_index_out_of_range_raises_runtime_error_then_next_call_works():
     R, V, D, T, n = 4, 64, 128, 8, 2

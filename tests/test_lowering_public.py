@@ -181,3 +181,27 @@ def test_bad_sm_counts_raise_naming_the_argument(kw, match):
   with pytest.raises(ValueError, match=match):
     jax.jit(f).lower(jax.ShapeDtypeStruct((len(devs) * 8, 128), jnp.bfloat16),
                      jax.ShapeDtypeStruct((len(devs) * 8, 2), jnp.int32))
+
+
+@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
+def test_engram_table_gradient_lowers_to_the_ordered_sum_kernel_for_cuda(fake_comm):
+  """On the kernels' path the table gradient is the deterministic per-row
+  sum kernel, not XLA's scatter-add (atomics on the GPU; issue 13 item 4)."""
+  R, T, e, rows, dim = 2, 8, 3, 4096, 128
+  devs = jax.devices()[:R]
+  if len(devs) < R:
+    pytest.skip("needs 2 devices")
+  mesh = Mesh(np.array(devs), ("ep",))
+
+  def per_rank(table, idx):
+    return jax.grad(lambda t: jnp.sum(jax_ep.engram_fetch(t, idx).astype(jnp.float32) ** 2))(table)
+
+  f = jax_ep.shard_map(per_rank, mesh)
+  args = (jax.ShapeDtypeStruct((R * rows, dim), jnp.bfloat16),
+          jax.ShapeDtypeStruct((R * T, e), jnp.int32))
+  targets = ENGRAM_TARGETS + ("jax_ep_engram_grad",)
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+  text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+      *args).mlir_module()
+  assert 'jax_ep_engram_grad"' in text or "@jax_ep_engram_grad(" in text
+  assert "scatter" not in text, "the kernels' path still scatters"

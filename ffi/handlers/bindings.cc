@@ -31,6 +31,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramGradExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute);
@@ -359,6 +360,9 @@ void RegisterCudaBindings(nb::module_& m) {
     nb::dict stateless_fp8;
     stateless_fp8["execute"] = HandlerCapsule(JaxEpGroupedGemmFp8Execute);
     d["jax_ep_grouped_gemm_fp8"] = stateless_fp8;
+    nb::dict stateless_grad;
+    stateless_grad["execute"] = HandlerCapsule(JaxEpEngramGradExecute);
+    d["jax_ep_engram_grad"] = stateless_grad;
     return d;
   }, "FFI targets: name -> {'instantiate': capsule, 'execute': capsule}.");
 

@@ -188,8 +188,8 @@ def _fetch_published_fwd(axis_name, reserved_bytes, end, kind, table, token, ind
 
 
 def _fetch_published_bwd(axis_name, reserved_bytes, end, kind, res, d_rows):
-  del reserved_bytes, end, kind
-  return _shard_grad(axis_name, res, d_rows), None, None
+  del reserved_bytes, end
+  return _shard_grad(axis_name, res, d_rows, kind), None, None
 
 
 _fetch_published_vjp.defvjp(_fetch_published_fwd, _fetch_published_bwd)
@@ -292,10 +292,23 @@ def _grad_residual(table, indices):
   return indices, jnp.zeros((table.shape[0], 0), table.dtype)
 
 
-def _shard_grad(axis_name, res, d_rows):
-  """The table shard's cotangent: the reference's for both backends."""
+def _shard_grad(axis_name, res, d_rows, kind):
+  """The table shard's cotangent (kind: a _choose result): on the kernels'
+  path a deterministic per-row sum kernel, else the reference's scatter."""
   indices, like = res
-  return ref.engram_table_grad(d_rows, indices, like.shape[0], like.dtype, axis_name=axis_name)
+  v_l, dtype = like.shape[0], like.dtype
+
+  def reference(d, i):
+    return ref.engram_table_grad(d, i, v_l, dtype, axis_name=axis_name)
+
+  def cuda(comm):
+    del comm  # a local kernel; the rows came by the reference's all_gather
+    from jax_ep import _ffi_engram
+    return lambda d, i: _ffi_engram.table_grad_cuda(d, i, v_l, dtype, axis_name=axis_name)
+
+  if kind == "reference":
+    return reference(d_rows, indices)
+  return _backend.run(_run_kind(kind), axis_name, reference, cuda, d_rows, indices)
 
 
 def _fetch_fwd(axis_name, backend, reserved_bytes, table, indices):
@@ -304,8 +317,8 @@ def _fetch_fwd(axis_name, backend, reserved_bytes, table, indices):
 
 
 def _fetch_bwd(axis_name, backend, reserved_bytes, res, d_rows):
-  del backend, reserved_bytes
-  return _shard_grad(axis_name, res, d_rows), None
+  del reserved_bytes
+  return _shard_grad(axis_name, res, d_rows, backend), None
 
 
 _fetch_vjp.defvjp(_fetch_fwd, _fetch_bwd)

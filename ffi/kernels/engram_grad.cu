@@ -1,0 +1,53 @@
+// The Engram table gradient's local sum (docs/design.md §2, "Engram"): the
+// row cotangents every rank sent this owner, already in (local row, source
+// rank, token, slot) order (a stable sort by row in Python), summed per row
+// in that order in float32 from +0.0, as jax_ep.reference.engram_table_grad
+// adds them on CPU. XLA's scatter-add on the GPU uses atomics, whose order
+// (and so the rounding) changes from run to run; this sum does not.
+#include "engram_grad.h"
+
+#include <algorithm>
+
+namespace jax_ep {
+namespace {
+
+constexpr int kGradThreads = 256;
+
+// One warp per run of equal rows; lanes over the D columns.
+__global__ void __launch_bounds__(kGradThreads)
+    OrderedRowSumKernel(const int32_t* __restrict__ rows, const float* __restrict__ d, int64_t n,
+                        int D, int32_t v_l, float* __restrict__ g) {
+  const int lane = threadIdx.x % 32;
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * (kGradThreads / 32);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * (kGradThreads / 32) + threadIdx.x / 32; i < n;
+       i += nw) {
+    const int32_t r = rows[i];
+    if (r < 0 || r >= v_l) continue;      // not this owner's row (sorted past the end)
+    if (i > 0 && rows[i - 1] == r) continue;  // not the first entry of its run
+    int64_t end = i + 1;
+    while (end < n && rows[end] == r) ++end;
+    for (int c = lane; c < D; c += 32) {
+      float acc = 0.0f;
+      for (int64_t j = i; j < end; ++j) acc = __fadd_rn(acc, d[j * D + c]);
+      g[static_cast<int64_t>(r) * D + c] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchOrderedRowSum(const int32_t* rows, const float* d, int64_t n, int D, int32_t v_l,
+                                float* g, cudaStream_t stream) {
+  if (cudaError_t err = cudaMemsetAsync(g, 0, sizeof(float) * static_cast<size_t>(v_l) * D, stream);
+      err != cudaSuccess) {
+    return err;
+  }
+  if (n == 0 || D == 0) return cudaSuccess;
+  // A warp per entry at most (most entries start no run and return at once).
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((n + kGradThreads / 32 - 1) / (kGradThreads / 32), 4096));
+  OrderedRowSumKernel<<<blocks, kGradThreads, 0, stream>>>(rows, d, n, D, v_l, g);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

@@ -166,6 +166,41 @@ def test_engram_cuda_fetch_is_stable_over_200_calls(comm):
     comm.check()
 
 
+@pytest.mark.parametrize("mode", ["random", "one_owner", "repeated"])
+def test_thousand_fetches_with_republishing_in_between_do_not_drift(comm, mode):
+    """1000 publish + fetch pairs in jitted loops, two tables taking turns
+    (a republish before every fetch), every fetch bitwise the reference's
+    rows; indices random, all on the last rank, or a few rows repeated
+    (issue 13 item 6)."""
+    R, VL = comm.num_ranks, 1000
+    rng = np.random.default_rng(7500 + ["random", "one_owner", "repeated"].index(mode))
+    a, b = _table(rng, (R, VL, D), BF16), _table(rng, (R, VL, D), BF16)
+    if mode == "one_owner":
+        idx = _indices(rng, R, VL) + (R - 1) * VL
+        idx[idx < (R - 1) * VL] = -1
+    elif mode == "repeated":
+        idx = rng.integers(0, 5, size=(R, T, E)).astype(np.int32) * (VL + 1) % (R * VL)
+    else:
+        idx = _indices(rng, R, R * VL)
+    u16 = lambda x: jax.lax.bitcast_convert_type(x, jax.numpy.uint16)  # noqa: E731
+
+    def steps(ta, tb, i):
+        want_a = u16(jax_ep.engram_fetch(ta, i, backend="reference"))
+        want_b = u16(jax_ep.engram_fetch(tb, i, backend="reference"))
+
+        def body(bad, k):
+            t, want = jax.lax.cond(k % 2 == 0, lambda: (ta, want_a), lambda: (tb, want_b))
+            rows = jax_ep.engram_fetch(jax_ep.engram_publish(t, backend="cuda"), i)
+            return bad + jax.numpy.sum(u16(rows) != want, dtype=jax.numpy.int32), None
+        return jax.lax.scan(body, jax.numpy.int32(0) * i[0, 0], jax.numpy.arange(100))[0]
+
+    f = h.per_rank_jit(comm.mesh, steps)
+    args = [h.put(comm.mesh, v) for v in (a, b, idx)]
+    bad = sum(int(np.sum(np.asarray(f(*args)))) for _ in range(10))
+    comm.check()
+    assert bad == 0, f"{bad} row elements differed from the reference over 1000 fetches"
+
+
 def test_engram_cuda_window_too_small_names_the_bytes(comm):
     R = comm.num_ranks
     VL = comm.num_bytes // (D * 2) + 1  # one row more than the whole window

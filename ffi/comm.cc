@@ -331,14 +331,20 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   if (dev.status_host == nullptr) return "";
   // The device writes the word with system-scope atomics through the
   // mapping; a volatile read sees it without any stream synchronisation.
-  volatile uint32_t* word = dev.status_host;
-  const uint32_t code = word[0];
+  volatile unsigned long long* word = reinterpret_cast<volatile unsigned long long*>(dev.status_host);
+  const unsigned long long v = *word;
+  const uint32_t code = static_cast<uint32_t>(v);
   if (code == 0) return "";
-  volatile unsigned long long* call_word = reinterpret_cast<volatile unsigned long long*>(word + 2);
-  const unsigned long long call = *call_word;
-  *call_word = 0;
-  word[0] = 0;
-  return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, call);
+  *word = 0;
+  return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
+}
+
+std::string CommResources::TakeReport(DeviceResources& dev) {
+  std::string m = std::move(dev.held_report);
+  dev.held_report.clear();
+  const std::string s = TakeStatusMessage(dev);
+  if (!s.empty()) m += (m.empty() ? "" : "; ") + s;
+  return m;
 }
 
 uint32_t CommResources::PeekStatus(const DeviceResources& dev) const {
@@ -349,7 +355,7 @@ uint32_t CommResources::PeekStatus(const DeviceResources& dev) const {
 std::string CommResources::TakeStatusMessage() {
   std::string all;
   for (auto& d : devices) {
-    std::string m = TakeStatusMessage(d);
+    std::string m = TakeReport(d);
     if (!m.empty()) all += (all.empty() ? "" : "; ") + m;
   }
   return all;

@@ -110,10 +110,15 @@ struct DeviceResources {
   char* gin_emu_base[kMaxRanks] = {};  // emulated: every GIN peer's LSA-mapped window
   int lsa_team_size = 0;            // NCCL's LSA team of this rank, self included
   void* gin_dev = nullptr;          // cudaMalloc'ed GinComm when gin_mask != 0
-  uint32_t* status_host = nullptr;  // cudaHostAlloc(mapped) u32[4]: code, -, call (u64)
+  uint32_t* status_host = nullptr;  // cudaHostAlloc(mapped): u64 (call << 32 | code), EpPeers::status
   uint32_t* status_dev = nullptr;   // the same words as the device sees them
+  // A non-fatal error AcquireDevice took from the status word (so that the
+  // op's kernels start clean) and that EndCall, or check(), still reports.
+  std::string held_report;
   // Ops executed on this device since create, this one included
-  // (AcquireDevice counts; EpPeers::call carries it into the kernels).
+  // (AcquireDevice counts; EpPeers::call carries it into the kernels; under
+  // XLA command buffers a replay reuses the captured number). Plain, not
+  // atomic: one device's handlers run one at a time.
   unsigned long long calls = 0;
   unsigned long long* counters = nullptr;  // cudaMalloc, kNumDeviceCounters
   unsigned long long timeout_ns = 0;
@@ -134,12 +139,14 @@ class CommResources {
   // nullptr when this process drives no device of that ordinal here.
   DeviceResources* ForOrdinal(int device_ordinal);
 
-  // Reads (and clears) every local device's status word; "" when all are 0.
+  // Every local device's report (TakeReport), cleared; "" when none.
   std::string TakeStatusMessage();
   // Same for one device; used by handlers after they enqueue work.
   std::string TakeStatusMessage(DeviceResources& dev);
   // The device's status code without clearing it (0: no error).
   uint32_t PeekStatus(const DeviceResources& dev) const;
+  // The held report and then the status word's message, both cleared.
+  std::string TakeReport(DeviceResources& dev);
 
   // Releases all GPU/NCCL resources (collective over the group's ranks).
   // Idempotent. Waits for work already enqueued on the devices.

@@ -128,6 +128,31 @@ def test_engram_cuda_bad_index_raises_through_check_and_next_call_works(comm):
     comm.check()
 
 
+def test_a_bad_index_on_one_rank_then_two_good_calls_without_check(comm):
+    """Only the last rank gets a bad index. The next call runs with a clean
+    status word (the error is held on the host, not left for its kernels to
+    trip over), fails naming the bad call, and the one after is bitwise
+    right on every rank, with no check() in between (desk review of the
+    run-then-report change)."""
+    R, VL = comm.num_ranks, 1000
+    rng = np.random.default_rng(7250)
+    shards = _table(rng, (R, VL, D), BF16)
+    idx = _indices(rng, R, R * VL)
+    bad = idx.copy()
+    bad[R - 1, 2, 3] = R * VL
+    f = _fetch(comm, "cuda", False)
+    tab = h.put(comm.mesh, shards)
+    try:
+        jax.block_until_ready(f(tab, h.put(comm.mesh, bad)))
+    except jax.errors.JaxRuntimeError:
+        pass
+    with pytest.raises(jax.errors.JaxRuntimeError, match="index out of range"):
+        np.asarray(jax.block_until_ready(f(tab, h.put(comm.mesh, idx))))
+    got = np.asarray(jax.block_until_ready(f(tab, h.put(comm.mesh, idx))))
+    np.testing.assert_array_equal(bits(got), _oracle_bits(shards, idx))
+    comm.check()
+
+
 def test_engram_cuda_fetch_after_table_update_returns_new_rows(comm):
     R, VL = comm.num_ranks, 1000
     rng = np.random.default_rng(7300)

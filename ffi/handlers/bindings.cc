@@ -92,12 +92,16 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   ++dev->calls;
   if (!take_status) return ffi::Error::Success();
   // An error a kernel reported since the last call: after a fatal one
-  // (IsFatalStatus) this op is refused before it enqueues anything; any other
-  // is left for EndCall, so the op runs (its peers are not left waiting for
-  // it) and then reports the error.
+  // (IsFatalStatus) this op is refused before it enqueues anything. Any other
+  // is taken off the word now (the op's kernels read it: a set word makes
+  // them fail) and held, so the op runs, its peers are not left waiting for
+  // it, and EndCall then reports the error.
   const uint32_t pending = comm->PeekStatus(*dev);
-  if (IsFatalStatus(pending)) return ffi::Error::Internal(comm->TakeStatusMessage(*dev));
-  lease.report_pending = pending != 0;
+  if (IsFatalStatus(pending)) return ffi::Error::Internal(comm->TakeReport(*dev));
+  if (pending != 0) {
+    const std::string m = comm->TakeStatusMessage(*dev);
+    dev->held_report += (dev->held_report.empty() ? "" : "; ") + m;
+  }
   // Ops whose kernels reach every peer through its LSA pointer, which a GIN
   // peer does not have, are refused rather than let write through a null
   // one. Normal dispatch / combine (and so the low-latency ops built on

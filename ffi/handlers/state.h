@@ -35,8 +35,6 @@ struct DeviceLease {
   CommResources* comm = nullptr;
   DeviceResources* dev = nullptr;
   std::shared_lock<std::shared_mutex> lock;
-  // A non-fatal error was pending when the op began: EndCall reports it.
-  bool report_pending = false;
 };
 
 // Checks that the state matches `comm_id`, that the communicator is open and
@@ -89,28 +87,30 @@ inline ffi::Error LeaveStream(DeviceResources& d, const char* start_op) {
 }
 
 // The end of an op's execute once its kernels are enqueued on `stream`.
-// Deferred mode: the op fails with the earlier call's error that was pending
-// when it began (AcquireDevice), having run anyway so that its peers were
-// not left waiting for it. Checked mode (Communicator.create(checked=True)):
-// it waits for its own kernels and fails with their error, so the program
+// Deferred mode: the op fails with an earlier call's error that
+// AcquireDevice took and held, having run anyway so that its peers were not
+// left waiting for it. Checked mode (Communicator.create(checked=True)): it
+// waits for its own kernels and fails with their error too, so the program
 // that caused it fails and fetching any of its results raises
 // (docs/errors.md); not while XLA captures the stream into a command buffer
-// (no waiting there), where it stays deferred.
+// (no waiting there), where it stays deferred. Before failing, the op waits
+// for its kernels (outside capture): XLA may free a failed program's
+// buffers, which they are still writing.
 inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
-  bool take = lease.report_pending;
-  if (lease.comm->checked) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-        capture == cudaStreamCaptureStatusNone) {
-      if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
-        return ffi::Error::Internal(std::string("jax_ep: waiting for the kernels (checked mode): ") +
-                                    cudaGetErrorString(err));
-      }
-      take = true;
+  DeviceResources& d = *lease.dev;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool capturing = cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+                         capture != cudaStreamCaptureStatusNone;
+  const bool check_now = lease.comm->checked && !capturing;
+  if (!check_now && d.held_report.empty()) return ffi::Error::Success();
+  if (!capturing) {
+    if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
+      return ffi::Error::Internal(std::string("jax_ep: waiting for the kernels: ") +
+                                  cudaGetErrorString(err));
     }
   }
-  if (!take) return ffi::Error::Success();
-  std::string msg = lease.comm->TakeStatusMessage(*lease.dev);
+  std::string msg = check_now ? lease.comm->TakeReport(d) : std::move(d.held_report);
+  d.held_report.clear();
   if (!msg.empty()) return ffi::Error::Internal(msg);
   return ffi::Error::Success();
 }

@@ -39,8 +39,10 @@ struct EpPeers {
   int rank;
   int nranks;
   size_t window_bytes;
-  // Mapped pinned host words (device pointer): [0] the first error's code,
-  // [2..3] the u64 `call` of the op that reported it.
+  // Mapped pinned host words (device pointer): one u64, the first error's
+  // code in the low half and the low 32 bits of `call` of the op that
+  // reported it in the high half, written together (so the host never sees
+  // one without the other).
   uint32_t* status;
   unsigned long long call;        // this op's number on its device (AcquireDevice)
   unsigned long long* epoch;      // device-local barrier epoch counter
@@ -70,9 +72,9 @@ __device__ __forceinline__ void report_error(const EpPeers& p, Op op, Cause caus
                   (static_cast<uint32_t>(cause) << 8) | (detail & 0xffu);
   // Only the first error is kept, with the number of the call that made it
   // (a deferred report must name the call, not the one that finds it).
-  if (atomicCAS_system(p.status, 0u, code) == 0u) {
-    atomicExch_system(reinterpret_cast<unsigned long long*>(p.status + 2), p.call);
-  }
+  const unsigned long long word =
+      (static_cast<unsigned long long>(static_cast<uint32_t>(p.call)) << 32) | code;
+  atomicCAS_system(reinterpret_cast<unsigned long long*>(p.status), 0ull, word);
   __threadfence_system();
 }
 

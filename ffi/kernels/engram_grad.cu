@@ -13,24 +13,26 @@ namespace {
 
 constexpr int kGradThreads = 256;
 
-// One warp per run of equal rows; lanes over the D columns.
+// One warp per (run of equal rows, block of 32 columns), a lane per column:
+// each element's sum still goes through the run in order, and a hot row's
+// long run is shared by D / 32 warps.
 __global__ void __launch_bounds__(kGradThreads)
     OrderedRowSumKernel(const int32_t* __restrict__ rows, const float* __restrict__ d, int64_t n,
                         int D, int32_t v_l, float* __restrict__ g) {
   const int lane = threadIdx.x % 32;
+  const int blocks = (D + 31) / 32;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * (kGradThreads / 32);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * (kGradThreads / 32) + threadIdx.x / 32; i < n;
-       i += nw) {
+  for (int64_t task = static_cast<int64_t>(blockIdx.x) * (kGradThreads / 32) + threadIdx.x / 32;
+       task < n * blocks; task += nw) {
+    const int64_t i = task / blocks;
+    const int c = static_cast<int>(task - i * blocks) * 32 + lane;
     const int32_t r = rows[i];
     if (r < 0 || r >= v_l) continue;      // not this owner's row (sorted past the end)
     if (i > 0 && rows[i - 1] == r) continue;  // not the first entry of its run
-    int64_t end = i + 1;
-    while (end < n && rows[end] == r) ++end;
-    for (int c = lane; c < D; c += 32) {
-      float acc = 0.0f;
-      for (int64_t j = i; j < end; ++j) acc = __fadd_rn(acc, d[j * D + c]);
-      g[static_cast<int64_t>(r) * D + c] = acc;
-    }
+    if (c >= D) continue;
+    float acc = 0.0f;
+    for (int64_t j = i; j < n && rows[j] == r; ++j) acc = __fadd_rn(acc, d[j * D + c]);
+    g[static_cast<int64_t>(r) * D + c] = acc;
   }
 }
 
@@ -43,9 +45,10 @@ cudaError_t LaunchOrderedRowSum(const int32_t* rows, const float* d, int64_t n, 
     return err;
   }
   if (n == 0 || D == 0) return cudaSuccess;
-  // A warp per entry at most (most entries start no run and return at once).
+  // A warp per (entry, column block) at most (most entries start no run).
+  const int64_t tasks = n * ((D + 31) / 32);
   const int blocks = static_cast<int>(
-      std::min<int64_t>((n + kGradThreads / 32 - 1) / (kGradThreads / 32), 4096));
+      std::min<int64_t>((tasks + kGradThreads / 32 - 1) / (kGradThreads / 32), 4096));
   OrderedRowSumKernel<<<blocks, kGradThreads, 0, stream>>>(rows, d, n, D, v_l, g);
   return cudaGetLastError();
 }

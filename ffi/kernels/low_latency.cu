@@ -180,6 +180,11 @@ __device__ __forceinline__ void WriteToken(int32_t* token_out, unsigned long lon
 struct RowSlices {
   int per_row, width;
   __device__ RowSlices(int rows, int warps, int nvec) {
+    if (nvec <= 0) {  // no columns (the validators allow H = 0): one empty slice
+      per_row = 1;
+      width = 32;
+      return;
+    }
     const int most = max(1, (nvec + 31) / 32);
     const int want = max(1, min(most, warps / max(rows, 1)));
     width = ((nvec + want - 1) / want + 31) / 32 * 32;

@@ -16,8 +16,10 @@ the axis, the table's rows suit the kernel and the window holds it (with
 (pure JAX request/response all_to_all). "reference" and "cuda" force one;
 "cuda" raises where auto would fall back. The CUDA path's GPU tests (fused
 and published, tables side by side, FP8, bad indices) passed at EP1 and EP2
-(benchmarks/RESULTS.md). The gradient is the reference's `engram_table_grad`
-for both backends.
+(benchmarks/RESULTS.md). The table gradient sums the row cotangents into
+the owner's shard in (source rank, token, slot) order: the reference's
+scatter on CPU, a per-row sum kernel on the kernels' path (XLA's GPU
+scatter-add has no fixed order).
 """
 from __future__ import annotations
 

@@ -147,23 +147,32 @@ def test_engram_cuda_still_raises_where_auto_falls_back(small_fake_comm):
                      jax.ShapeDtypeStruct((R * 8, 3), jnp.int32))
 
 
+def _mesh2() -> Mesh:
+  devs = jax.devices()[:2]
+  if len(devs) < 2:
+    pytest.skip("needs 2 devices")
+  return Mesh(np.array(devs), ("ep",))
+
+
+def _cuda_text(f, args, targets) -> str:
+  """The StableHLO of jit(f) exported for CUDA from this CPU machine."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+  return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+      *args).mlir_module()
+
+
 @pytest.mark.parametrize("num_sms,recv_sms", [(None, None), (16, 4)])
 def test_num_sms_and_recv_sms_reach_the_kernels_as_attributes(fake_comm, num_sms, recv_sms):
   R, T, H, K, E = 2, 16, 256, 4, 16
-  devs = jax.devices()[:R]
-  if len(devs) < R:
-    pytest.skip("needs 2 devices")
-  mesh = Mesh(np.array(devs), ("ep",))
+  mesh = _mesh2()
 
   def per_rank(x, idx):
     o = jax_ep.dispatch(x, idx, None, num_experts=E, num_sms=num_sms, recv_sms=recv_sms)
     return jax_ep.combine(o.recv_x, o.handle, num_sms=num_sms, recv_sms=recv_sms)
 
-  f = jax_ep.shard_map(per_rank, mesh)
-  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
-  text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
-      jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
-      jax.ShapeDtypeStruct((R * T, K), jnp.int32)).mlir_module()
+  text = _cuda_text(jax_ep.shard_map(per_rank, mesh),
+                    (jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((R * T, K), jnp.int32)), TARGETS)
   for target in ("jax_ep_dispatch", "jax_ep_combine"):
     lines = [l for l in text.splitlines() if target + '"' in l or "@" + target + "(" in l]
     assert len(lines) == 1, target
@@ -188,20 +197,14 @@ def test_engram_table_gradient_lowers_to_the_ordered_sum_kernel_for_cuda(fake_co
   """On the kernels' path the table gradient is the deterministic per-row
   sum kernel, not XLA's scatter-add (atomics on the GPU; issue 13 item 4)."""
   R, T, e, rows, dim = 2, 8, 3, 4096, 128
-  devs = jax.devices()[:R]
-  if len(devs) < R:
-    pytest.skip("needs 2 devices")
-  mesh = Mesh(np.array(devs), ("ep",))
+  mesh = _mesh2()
 
   def per_rank(table, idx):
     return jax.grad(lambda t: jnp.sum(jax_ep.engram_fetch(t, idx).astype(jnp.float32) ** 2))(table)
 
-  f = jax_ep.shard_map(per_rank, mesh)
   args = (jax.ShapeDtypeStruct((R * rows, dim), jnp.bfloat16),
           jax.ShapeDtypeStruct((R * T, e), jnp.int32))
-  targets = ENGRAM_TARGETS + ("jax_ep_engram_grad",)
-  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
-  text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
-      *args).mlir_module()
+  text = _cuda_text(jax_ep.shard_map(per_rank, mesh), args,
+                    ENGRAM_TARGETS + ("jax_ep_engram_grad",))
   assert 'jax_ep_engram_grad"' in text or "@jax_ep_engram_grad(" in text
   assert "scatter" not in text, "the kernels' path still scatters"

@@ -551,8 +551,9 @@ std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
   if (a.max_tokens < 1 || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
     return "need 0 <= tokens <= max_tokens";
-  if (a.fp8 ? a.hidden % 128 : a.hidden % 8) return a.fp8 ? "hidden must be a multiple of 128 for FP8"
-                                                        : "hidden must be a multiple of 8";
+  if (a.hidden < 8 || (a.fp8 ? a.hidden % 128 : a.hidden % 8))
+    return a.fp8 ? "hidden must be a positive multiple of 128 for FP8"
+                 : "hidden must be a positive multiple of 8";
   const size_t smem = sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
                                          static_cast<size_t>(a.num_tokens) * a.topk);
   if (smem > 200 * 1024) return "num_experts + tokens * topk too large for one CTA's shared memory";
@@ -571,7 +572,7 @@ std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
   if (a.max_tokens < 1 || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
     return "need 0 <= tokens <= max_tokens";
-  if (a.hidden % 8) return "hidden must be a multiple of 8";
+  if (a.hidden < 8 || a.hidden % 8) return "hidden must be a positive multiple of 8";
   const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
                                     a.reserved_bytes);
   if (need > p.window_bytes)

@@ -127,10 +127,10 @@ void SetupOneDevice(DeviceResources& d) {
   CheckNccl(ncclMemAlloc(&d.window_ptr, d.window_bytes), "ncclMemAlloc", d.comm);
   // Zeroed header: barrier flags and epochs start at 0 on every rank.
   CheckCuda(cudaMemset(d.window_ptr, 0, d.window_bytes), "cudaMemset(window)", d.device_ordinal);
-  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), 4 * sizeof(uint32_t),
+  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), sizeof(unsigned long long),
                           cudaHostAllocMapped | cudaHostAllocPortable),
             "cudaHostAlloc(status word)", d.device_ordinal);
-  for (int i = 0; i < 4; ++i) d.status_host[i] = 0;
+  *reinterpret_cast<volatile unsigned long long*>(d.status_host) = 0;
   CheckCuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.status_dev), d.status_host, 0),
             "cudaHostGetDevicePointer(status word)", d.device_ordinal);
   CheckCuda(cudaMalloc(reinterpret_cast<void**>(&d.counters),
@@ -339,11 +339,21 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
 }
 
+namespace {
+// "a; b", or whichever is not empty.
+void AppendReport(std::string& to, const std::string& m) {
+  if (!m.empty()) to += (to.empty() ? "" : "; ") + m;
+}
+}  // namespace
+
+void CommResources::HoldStatus(DeviceResources& dev) {
+  AppendReport(dev.held_report, TakeStatusMessage(dev));
+}
+
 std::string CommResources::TakeReport(DeviceResources& dev) {
   std::string m = std::move(dev.held_report);
   dev.held_report.clear();
-  const std::string s = TakeStatusMessage(dev);
-  if (!s.empty()) m += (m.empty() ? "" : "; ") + s;
+  AppendReport(m, TakeStatusMessage(dev));
   return m;
 }
 
@@ -356,7 +366,7 @@ std::string CommResources::TakeStatusMessage() {
   std::string all;
   for (auto& d : devices) {
     std::string m = TakeReport(d);
-    if (!m.empty()) all += (all.empty() ? "" : "; ") + m;
+    AppendReport(all, m);
   }
   return all;
 }

@@ -145,6 +145,8 @@ class CommResources {
   std::string TakeStatusMessage(DeviceResources& dev);
   // The device's status code without clearing it (0: no error).
   uint32_t PeekStatus(const DeviceResources& dev) const;
+  // Moves the status word's message (if any) to the device's held report.
+  void HoldStatus(DeviceResources& dev);
   // The held report and then the status word's message, both cleared.
   std::string TakeReport(DeviceResources& dev);
 

@@ -152,7 +152,8 @@ def table_grad_cuda(d_rows: Array, indices: Array, v_l: int, dtype, *, axis_name
   CPU order."""
   from jax_ep import reference as ref
   rows, d = ref.engram_grad_entries(d_rows, indices, v_l, axis_name=axis_name)
-  order = jnp.argsort(rows, stable=True)
+  order = jnp.argsort(rows, stable=True).astype(jnp.int32)
+  # d is read through `order` in the kernel, not permuted into a copy.
   g = _call("jax_ep_engram_grad", jax.ShapeDtypeStruct((v_l, d.shape[1]), jnp.float32))(
-      rows[order], d[order])
+      rows[order], order, d)
   return g.astype(dtype)

@@ -98,10 +98,7 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   // it, and EndCall then reports the error.
   const uint32_t pending = comm->PeekStatus(*dev);
   if (IsFatalStatus(pending)) return ffi::Error::Internal(comm->TakeReport(*dev));
-  if (pending != 0) {
-    const std::string m = comm->TakeStatusMessage(*dev);
-    dev->held_report += (dev->held_report.empty() ? "" : "; ") + m;
-  }
+  if (pending != 0) comm->HoldStatus(*dev);
   // Ops whose kernels reach every peer through its LSA pointer, which a GIN
   // peer does not have, are refused rather than let write through a null
   // one. Normal dispatch / combine (and so the low-latency ops built on

@@ -228,19 +228,22 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   return EndCall(lease, stream);
 }
 
-// jax_ep_engram_grad (stateless): rows s32 [n] sorted, d f32 [n, D] -> g f32
-// [V/R, D], the ordered per-row sum (kernels/engram_grad.h).
+// jax_ep_engram_grad (stateless): rows s32 [n] sorted, order s32 [n] (d's
+// row of each sorted entry), d f32 [n, D] -> g f32 [V/R, D], the ordered
+// per-row sum (kernels/engram_grad.h).
 ffi::Error EngramGradExecute(cudaStream_t stream, ffi::Buffer<ffi::S32> rows,
-                             ffi::Buffer<ffi::F32> d, ffi::Result<ffi::Buffer<ffi::F32>> g) {
+                             ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::F32> d,
+                             ffi::Result<ffi::Buffer<ffi::F32>> g) {
   constexpr const char* kOp = "engram_fetch (table gradient)";
   const auto dd = d.dimensions(), gd = g->dimensions();
   if (dd.size() != 2 || gd.size() != 2 || dd[1] != gd[1])
     return Invalid(kOp, "d must be [n, D] and g [V/R, D], got " + Dims(dd) + " and " + Dims(gd));
-  if (rows.element_count() != static_cast<size_t>(dd[0]))
-    return Invalid(kOp, "rows must be [n] with n = d.shape[0]");
+  if (rows.element_count() != static_cast<size_t>(dd[0]) ||
+      order.element_count() != static_cast<size_t>(dd[0]))
+    return Invalid(kOp, "rows and order must be [n] with n = d.shape[0]");
   if (gd[0] >= (int64_t{1} << 31) || gd[1] >= (int64_t{1} << 31))
     return Invalid(kOp, "table dimensions must be below 2^31");
-  if (cudaError_t err = LaunchOrderedRowSum(rows.typed_data(), d.typed_data(), dd[0],
+  if (cudaError_t err = LaunchOrderedRowSum(rows.typed_data(), order.typed_data(), d.typed_data(), dd[0],
                                             static_cast<int>(gd[1]), static_cast<int32_t>(gd[0]),
                                             g->typed_data(), stream);
       err != cudaSuccess) {
@@ -280,6 +283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPubl
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramGradExecute, jax_ep::EngramGradExecute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

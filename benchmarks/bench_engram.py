@@ -92,7 +92,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram, _native
-  from bench_normal import time_or_none
+  from bench_normal import kernel_us, time_or_none
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -112,12 +112,21 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
                         time_us=t * 1e6, nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
                         mrows_per_s=rows / t / 1e6, sms=nsms))
 
-  def bench(impl, dtype, fn, args, row_bytes, nsms=None):
+  def bench(impl, dtype, fn, args, row_bytes, nsms=None, kernel=None):
+    """`kernel`: the kernel-name substring whose profiler time per call is
+    recorded (kernel_us) next to the wall time and the GPUs' busy time per
+    call (gpu_us: every kernel and copy of the call)."""
     t = time_or_none(f"engram_fetch/{impl}/{dtype}", fn, args, quick)
     if t is None:
       return
     record(impl, dtype, t, row_bytes, nsms)
-    print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
+    extra = ""
+    if impl.startswith("jax_ep"):
+      gpu = kernel_us(fn, args, None, shape.ranks)
+      kern = kernel_us(fn, args, kernel, shape.ranks) if kernel else None
+      results[-1].update(gpu_us=gpu, kernel_us=kern)
+      extra = f"  gpu busy {_fmt(gpu, '6.1f')} us" + (f", {kernel} {_fmt(kern, '6.1f')} us" if kernel else "")
+    print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   num_bytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=d,
                                               dtype=jnp.bfloat16) + (8 << 20)
@@ -147,7 +156,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
         return rows, jnp.where(i >= 0, sc[jnp.maximum(i, 0)], 0).astype(sc.dtype)
 
       bench("jax_ep_fetch", dtype, smap(fetch_only),
-            (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None)
+            (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None,
+            kernel="EngramFetchKernel")
       bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
             (tab,), row_bytes, None)
       # The publish's bar: a device-to-device cudaMemcpyAsync of the shard's

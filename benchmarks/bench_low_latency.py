@@ -71,7 +71,7 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
                max_tokens=MAX_TOKENS, time_us=t * 1e6, nvlink_gbps=nv / t / 1e9,
                logical_gbps=lg / t / 1e9, sms=None, calls_per_step=chain)
     if kernel is not None:
-      rec.update(sms=ll_sms(shape), kernel_us=_kernel_us(fn, args, kernel, shape.ranks))
+      rec.update(sms=ll_sms(shape), kernel_us=bench_normal.kernel_us(fn, args, kernel, shape.ranks))
     results.append(rec)
     extra = "" if kernel is None else f"  kernel {rec['kernel_us']:.1f} us, {rec['sms']} SMs"
     print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
@@ -179,26 +179,6 @@ def ll_sms(shape: bench_normal.Shape) -> int:
   sms = getattr(jax.devices()[0], "core_count", None) or 132
   work = max(-(-shape.tokens // 16), shape.experts // shape.ranks)
   return max(1, min(sms, work))
-
-
-def _kernel_us(fn, args, kernel: str, ranks: int, iters: int = 20) -> float | None:
-  """GPU time per call and per rank (µs) of the kernels whose name contains
-  `kernel`, from a jax.profiler trace of `iters`-call steps (what DeepEP
-  reports), or None when the trace cannot be read."""
-  import tempfile
-  import jax
-  import bench_grouped_gemm as bg
-  try:
-    tdir = tempfile.mkdtemp(prefix="jax_ep_ll_prof_")
-    with jax.profiler.trace(tdir, create_perfetto_trace=True):
-      bench_normal._time_step(fn, args, iters=iters, repeats=1)
-    evs = [e for e in bg.gpu_kernel_events(tdir) if kernel in e["name"]]
-    # _time_step runs its step three times here (two warm-ups, one timed);
-    # each rank's GPU runs every call once.
-    return sum(e["dur"] for e in evs) / (3 * iters * ranks) if evs else None
-  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
-    print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return None
 
 
 def main(argv=None) -> int:

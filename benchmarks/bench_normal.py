@@ -164,6 +164,35 @@ def load_trace(trace_dir: str) -> tuple[list[dict], dict]:
   return evs, names
 
 
+def gpu_kernel_events(trace_dir: str) -> list[dict]:
+  """Kernel and copy events (name, ts, dur in µs) on the GPU timelines of the
+  newest Perfetto trace that jax.profiler wrote under trace_dir."""
+  evs, names = load_trace(trace_dir)
+  gpu_pids = {pid for pid, name in names.items() if "GPU" in str(name)}
+  return [dict(name=e.get("name", ""), ts=float(e["ts"]), dur=float(e["dur"])) for e in evs
+          if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def kernel_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 20) -> Optional[float]:
+  """GPU time per call and per rank (µs) of the GPU events whose name
+  contains `kernel` (None: every event, i.e. the busy time of the GPUs), from
+  a jax.profiler trace of `iters`-call steps (what DeepEP reports), or None
+  when the trace cannot be read."""
+  import tempfile
+  import jax
+  try:
+    tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
+    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+      _time_step(fn, args, iters=iters, repeats=1)
+    evs = [e for e in gpu_kernel_events(tdir) if kernel is None or kernel in e["name"]]
+    # _time_step runs its step three times here (two warm-ups, one timed);
+    # each rank's GPU runs every call once.
+    return sum(e["dur"] for e in evs) / (3 * iters * ranks) if evs else None
+  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+    print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return None
+
+
 def simple_args(doc: str, argv=None) -> argparse.Namespace:
   """--out / --quick, the options of the benchmark scripts that time one shape."""
   ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

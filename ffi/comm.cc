@@ -140,7 +140,7 @@ void SetupOneDevice(DeviceResources& d) {
             "cudaMemset(counters)", d.device_ordinal);
 }
 
-static_assert(kNumDeviceCounters - kGinSnapshotCounter == kGinSignalCount,
+static_assert(kEngramVersionCounter - kGinSnapshotCounter == kGinSignalCount,
               "one snapshot counter per GIN signal");
 
 // JAX_EP_TRANSPORT, read at every create so a test can flip it in-process.

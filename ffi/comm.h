@@ -49,10 +49,12 @@ constexpr int kLsaBarrierCount = 64;
 // Device-local counters, zeroed at create. Slot 0 backs EpPeers.epoch (slot
 // 1 is unused), slots 2..15 the low-latency kernels (low_latency.cuh),
 // slots from kGinSnapshotCounter on EpPeers.gin_snapshot
-// (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount); the rest are free for
-// kernels that need scratch counters.
+// (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount), then the Engram
+// version words (engram.cuh); 16..63 are free for kernels that need scratch
+// counters.
 constexpr int kGinSnapshotCounter = 64;
-constexpr int kNumDeviceCounters = kGinSnapshotCounter + kMaxRanks * 32;
+constexpr int kEngramVersionCounter = kGinSnapshotCounter + kMaxRanks * 32;
+constexpr int kNumDeviceCounters = kEngramVersionCounter + 1 + kEngramSlots;
 
 // How one rank reaches another.
 enum class Transport : uint8_t { kSelf = 0, kLsa = 1, kGin = 2 };
@@ -125,6 +127,7 @@ struct DeviceResources {
   SideLane side;                    // stream of dispatch_start / combine_start (side_lane.h)
   // Engram publications live in this device's window (engram_versions.h).
   std::shared_ptr<EngramVersions> engram_versions = std::make_shared<EngramVersions>();
+  unsigned long long* engram_words() const { return counters + kEngramVersionCounter; }
 
   EpPeers peers() const;
 };

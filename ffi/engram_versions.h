@@ -1,59 +1,77 @@
 // Which Engram publication is current, per device (docs/design.md §2): a
 // publish into a window area makes every earlier publication that overlaps
-// it stale, so does any other op whose window area reaches it (Invalidate),
-// and a fetch must say which publication it reads. The host keeps
-// the versions because it launches publishes and fetches in stream order;
-// the publish kernel writes its version into the token and the fetch
-// kernel compares the token it was given with the version current at its
-// launch (a mismatch: zeros and Cause::kStalePublication).
+// it stale, so does any other op whose window area reaches it, and a fetch
+// must say which publication it reads.
+//
+// The versions live on the device, not here: XLA may capture publish and
+// fetch into a command buffer (a CUDA graph) and replay it without running
+// the handlers, so anything the host decided per call would be frozen at
+// capture. The host only gives every table placement [off, off + bytes) a
+// fixed slot (kernels/engram.cuh, EngramVersionWords) and tells each
+// launch which slots it touches; those do not change between calls. The
+// publish kernel draws a new version from the device's counter, stores it
+// in its slot and in the token; the fetch kernel compares its token with
+// the slot (a mismatch: zeros and Cause::kStalePublication); an op that
+// overwrites a table's bytes clears its slot on the device.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <iterator>
 #include <map>
 #include <mutex>
 #include <utility>
+
+#include "kernels/engram.cuh"
 
 namespace jax_ep {
 
 class EngramVersions {
  public:
-  // Records a publish of [off, off + bytes) and returns its version (>= 1).
-  int32_t Publish(size_t off, size_t bytes) {
+  // The slot of area [off, off + bytes), assigned at its first publish and
+  // kept for the communicator's life, or -1 when kEngramSlots distinct
+  // placements are taken. `clear` gets every other known area overlapping it.
+  int Publish(size_t off, size_t bytes, EngramSlotMask* clear) {
     std::lock_guard<std::mutex> g(mu_);
-    for (auto it = areas_.begin(); it != areas_.end();) {
-      const size_t a = it->first, b = it->first + it->second.first;
-      it = (a < off + bytes && off < b) ? areas_.erase(it) : std::next(it);
+    *clear = OverlappingLocked(off, off + bytes);
+    auto it = slots_.find({off, bytes});
+    int slot;
+    if (it != slots_.end()) {
+      slot = it->second;
+    } else {
+      if (next_ >= kEngramSlots) return -1;
+      slot = next_++;
+      slots_[{off, bytes}] = slot;
     }
-    last_ = last_ >= INT32_MAX - 1 ? 1 : last_ + 1;
-    areas_[off] = {bytes, last_};
-    return last_;
+    clear->Reset(slot);
+    return slot;
   }
 
-  // Another op is about to write window bytes [begin, end): publications
-  // there are stale from now on (a later fetch of them reports it instead of
-  // reading overwritten rows).
-  void Invalidate(size_t begin, size_t end) {
+  // The slots of the areas that overlap window bytes [begin, end): another
+  // op is about to write there, so their publications must be cleared.
+  EngramSlotMask Overlapping(size_t begin, size_t end) const {
     std::lock_guard<std::mutex> g(mu_);
-    for (auto it = areas_.begin(); it != areas_.end();) {
-      const size_t a = it->first, b = it->first + it->second.first;
-      it = (a < end && begin < b) ? areas_.erase(it) : std::next(it);
-    }
+    return OverlappingLocked(begin, end);
   }
 
-  // The version of the live publication starting at `off` with `bytes`
-  // bytes, or 0 (none: never published there, or overwritten since).
-  int32_t Current(size_t off, size_t bytes) const {
+  // The slot of area [off, off + bytes), or -1 if it was never published.
+  int Find(size_t off, size_t bytes) const {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = areas_.find(off);
-    return (it != areas_.end() && it->second.first == bytes) ? it->second.second : 0;
+    auto it = slots_.find({off, bytes});
+    return it == slots_.end() ? -1 : it->second;
   }
 
  private:
+  EngramSlotMask OverlappingLocked(size_t begin, size_t end) const {
+    EngramSlotMask m;
+    for (const auto& [area, slot] : slots_) {
+      if (area.first < end && begin < area.first + area.second) m.Set(slot);
+    }
+    return m;
+  }
+
   mutable std::mutex mu_;
-  std::map<size_t, std::pair<size_t, int32_t>> areas_;  // off -> (bytes, version)
-  int32_t last_ = 0;
+  std::map<std::pair<size_t, size_t>, int> slots_;  // (off, bytes) -> slot
+  int next_ = 0;
 };
 
 }  // namespace jax_ep

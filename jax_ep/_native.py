@@ -28,14 +28,18 @@ TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch
 
 COMMAND_BUFFER_TARGETS = frozenset({
     "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
-    "jax_ep_ll_combine", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv"})
+    "jax_ep_ll_combine", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
+    "jax_ep_engram_publish", "jax_ep_engram_fetch", "jax_ep_engram_publish_fetch",
+    "jax_ep_engram_grad"})
 
 
 def _traits(target: str) -> dict:
-  """The low-latency kernels launch the same work on every call (their state
-  is on the device: docs/low_latency.md), so XLA may capture them into
-  command buffers (CUDA graphs) for decode loops. {} where this jaxlib has
-  no such trait."""
+  """The low-latency and Engram kernels launch the same work on every call
+  (what changes between calls is on the device: docs/low_latency.md,
+  docs/design.md §2), so XLA may capture them into command buffers (CUDA
+  graphs). The handlers declare the trait too (newer XLA reads it from
+  them); this is for a jaxlib that reads it from the registration. {} where
+  this jaxlib has no such trait."""
   if target not in COMMAND_BUFFER_TARGETS:
     return {}
   try:

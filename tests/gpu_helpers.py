@@ -2,6 +2,8 @@
 layout oracle and per-rank runners under jit + shard_map."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 import jax
@@ -79,3 +81,27 @@ def local_rows(arr: jax.Array) -> dict[int, np.ndarray]:
         r = s.index[0].start or 0
         out[r] = np.asarray(s.data)[0]
     return out
+
+
+def run_worker(worker: str, *, command_buffers: bool, env_extra: Optional[dict] = None,
+               timeout: int = 300) -> str:
+    """Runs tests/<worker> in a fresh process (XLA reads XLA_FLAGS once) with
+    XLA's command buffers for custom calls on (every run of >= 1 command
+    captured) or off; returns its stdout, asserting it exited 0."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    if command_buffers:
+        flags += " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
+        flags += " --xla_gpu_graph_min_graph_size=1"
+    else:
+        flags += " --xla_gpu_enable_command_buffer="
+    env["XLA_FLAGS"] = flags.strip()
+    env.update(env_extra or {})
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), worker)
+    r = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    return r.stdout

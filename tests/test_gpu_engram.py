@@ -316,6 +316,22 @@ def test_fetch_from_a_superseded_publication_reports_stale(comm):
     np.testing.assert_array_equal(bits(got), _oracle_bits(t2, idx))
 
 
+@pytest.mark.parametrize("cmdbuf", [False, True], ids=["plain", "command_buffers"])
+def test_publish_and_fetch_under_command_buffers_stay_bitwise_and_detect_stale(comm, cmdbuf):
+    """In a fresh process with XLA's command buffers on (every custom call
+    captured and replayed without its handler) or off: fetch chains and
+    publish + fetch programs bitwise equal to the gather on changing tables,
+    and a replayed fetch of a superseded publication reports 'stale
+    publication' with zeros (the versions live on the device); prints the
+    time per fetch of each."""
+    out = h.run_worker("gpu_engram_cmdbuf_worker.py", command_buffers=cmdbuf,
+                       env_extra={"JAX_EP_TEST_GPUS": str(comm.num_ranks)})
+    line = [l for l in out.splitlines() if l.startswith("ENGRAM_CMDBUF")]
+    assert line, out[-2000:]
+    print(line[0], "(command buffers)" if cmdbuf else "(plain)")
+    assert "ok=True" in line[0] and "stale_replay=True" in line[0], line[0]
+
+
 def test_fetch_after_a_dispatch_overwrote_the_table_reports_stale(comm):
     """A table placed where a dispatch's window area reaches (no
     reserved_bytes), a dispatch, then a fetch of that publication: 'stale

@@ -187,23 +187,11 @@ def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(c
   """A jitted fori_loop of kernel dispatch -> combine (8 steps) in a fresh
   process, with XLA's command buffers on for custom calls or off: bitwise
   the reference loop; prints the time per step of each."""
-  import os
-  import subprocess
-  import sys
-  env = dict(os.environ)
-  flags = env.get("XLA_FLAGS", "")
-  if cmdbuf:
-    flags += " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"
-    flags += " --xla_gpu_graph_min_graph_size=1"
-  else:
-    flags += " --xla_gpu_enable_command_buffer="
-  env["XLA_FLAGS"] = flags.strip()
-  env["JAX_EP_TEST_GPUS"] = str(comm.num_ranks)
-  env["LL_SPLIT"] = "1" if split else "0"
-  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ll_cmdbuf_worker.py")
+  out = h.run_worker("gpu_ll_cmdbuf_worker.py", command_buffers=cmdbuf,
+                     env_extra={"JAX_EP_TEST_GPUS": str(comm.num_ranks),
+                                "LL_SPLIT": "1" if split else "0"})
   # The module's communicator holds these GPUs' windows; the worker makes its own.
-  r = subprocess.run([sys.executable, worker], env=env, capture_output=True, text=True, timeout=300)
-  line = [l for l in r.stdout.splitlines() if l.startswith("LL_CMDBUF")]
-  assert r.returncode == 0 and line, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+  line = [l for l in out.splitlines() if l.startswith("LL_CMDBUF")]
+  assert line, out[-2000:]
   print(line[0], "(command buffers)" if cmdbuf else "(plain)")
   assert "equal=True" in line[0], line[0]

@@ -131,7 +131,10 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   if (ffi::Error err = EnterStream(*lease.dev, kOp, start ? kOp : nullptr, stream, &s); err.failure()) {
     return err;
   }
-  lease.dev->engram_versions->Invalidate(0, DispatchWindowNeed(a, peers.nranks));
+  if (ffi::Error err = ClearOverwrittenTables(*lease.dev, DispatchWindowNeed(a, peers.nranks), s);
+      err.failure()) {
+    return err;
+  }
   if (cudaError_t err = LaunchDispatch(a, peers, s); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
@@ -195,8 +198,11 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   if (ffi::Error err = EnterStream(*lease.dev, kOp, start ? kOp : nullptr, stream, &s); err.failure()) {
     return err;
   }
-  lease.dev->engram_versions->Invalidate(
-      0, CombineWindowBytes(peers.nranks, a.num_tokens, a.hidden, a.topk, a.y_dtype, a.layout));
+  if (ffi::Error err = ClearOverwrittenTables(
+          *lease.dev, CombineWindowBytes(peers.nranks, a.num_tokens, a.hidden, a.topk, a.y_dtype, a.layout), s);
+      err.failure()) {
+    return err;
+  }
   if (cudaError_t err = LaunchCombine(a, peers, s); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }

@@ -92,6 +92,12 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
   a->table = table.untyped_data();
   a->table_bytes = w.table_bytes;
   a->table_off = w.table_off;
+  a->versions = dev.engram_words();
+  a->slot = dev.engram_versions->Publish(a->table_off, a->table_bytes, &a->clear);
+  if (a->slot < 0) {
+    return Invalid(op, "more than " + std::to_string(kEngramSlots) + " distinct Engram table "
+                   "placements (offset, size) on this Communicator; create a new one");
+  }
   *row_bytes_out = row_bytes;
   return ffi::Error::Success();
 }
@@ -154,7 +160,6 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
     return err;
   }
   a.token = token->typed_data();
-  a.version = lease.dev->engram_versions->Publish(a.table_off, a.table_bytes);
   if (cudaError_t err = LaunchEngramPublish(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_publish launch");
   }
@@ -178,8 +183,9 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
     return err;
   }
   a.token = token.typed_data();
-  a.version = lease.dev->engram_versions->Current(
+  const int slot = lease.dev->engram_versions->Find(
       a.table_off, static_cast<size_t>(a.rows_per_rank) * a.row_bytes);
+  a.version = slot < 0 ? nullptr : lease.dev->engram_words() + 1 + slot;
   if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
@@ -217,7 +223,6 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
       err.failure()) {
     return err;
   }
-  pa.version = lease.dev->engram_versions->Publish(pa.table_off, pa.table_bytes);
   const EpPeers peers = lease.dev->peers();
   if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch (publish) launch");
@@ -260,7 +265,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishExecute, jax_ep::EngramPublishEx
                                   .Attr<int64_t>("reserved_bytes")
                                   .Attr<int64_t>("table_end_offset")
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramFetchExecute, jax_ep::EngramFetchExecute,
                               jax_ep::BindEpExecute()
@@ -270,7 +276,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramFetchExecute, jax_ep::EngramFetchExecut
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPublishFetchExecute,
                               jax_ep::BindEpExecute()
@@ -278,7 +285,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPubl
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramGradExecute, jax_ep::EngramGradExecute,
                               xla::ffi::Ffi::Bind()
@@ -286,4 +294,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramGradExecute, jax_ep::EngramGradExecute,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});

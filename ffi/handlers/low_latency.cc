@@ -80,8 +80,13 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kDispatchOp, msg);
-  lease.dev->engram_versions->Invalidate(  // see dispatch.cc
-      0, LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes));
+  if (ffi::Error err = ClearOverwrittenTables(
+          *lease.dev,
+          LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes),
+          stream);
+      err.failure()) {
+    return err;
+  }
   if (cudaError_t err = LaunchLlDispatch(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_dispatch launch");
@@ -199,8 +204,13 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kCombineOp, msg);
-  lease.dev->engram_versions->Invalidate(
-      0, LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes));
+  if (ffi::Error err = ClearOverwrittenTables(
+          *lease.dev,
+          LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes),
+          stream);
+      err.failure()) {
+    return err;
+  }
   if (cudaError_t err = LaunchLlCombine(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_combine launch");
@@ -355,7 +365,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchExecute, jax_ep::LlDispatchExecute,
                                   .Ret<xffi::AnyBuffer>()
                                   .Ret<xffi::Buffer<xffi::F32>>()
                                   .Ret<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>());
+                                  .Ret<xffi::Buffer<xffi::S32>>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute, jax_ep::LlDispatchSendExecute,
                               jax_ep::BindLl()
@@ -365,7 +376,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute, jax_ep::LlDispatchSend
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xffi::AnyBuffer>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>());
+                                  .Ret<xffi::Buffer<xffi::S32>>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute, jax_ep::LlDispatchRecvExecute,
                               jax_ep::BindLl()
@@ -379,7 +391,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute, jax_ep::LlDispatchRecv
                                   .Ret<xffi::AnyBuffer>()
                                   .Ret<xffi::Buffer<xffi::F32>>()
                                   .Ret<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>());
+                                  .Ret<xffi::Buffer<xffi::S32>>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineExecute, jax_ep::LlCombineExecute,
                               jax_ep::BindLl()
@@ -390,7 +403,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineExecute, jax_ep::LlCombineExecute,
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::F32>>()
-                                  .Ret<xffi::AnyBuffer>());
+                                  .Ret<xffi::AnyBuffer>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendExecute, jax_ep::LlCombineSendExecute,
                               jax_ep::BindLl()
@@ -400,7 +414,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendExecute, jax_ep::LlCombineSendEx
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>());
+                                  .Ret<xffi::Buffer<xffi::S32>>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvExecute, jax_ep::LlCombineRecvExecute,
                               jax_ep::BindLl()
@@ -410,4 +425,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvExecute, jax_ep::LlCombineRecvEx
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::F32>>()
-                                  .Ret<xffi::AnyBuffer>());
+                                  .Ret<xffi::AnyBuffer>(),
+                              {::xla::ffi::Traits::kCmdBufferCompatible});

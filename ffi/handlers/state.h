@@ -142,4 +142,17 @@ inline ffi::Error CudaError(cudaError_t err, const char* what) {
                               " (" + cudaGetErrorString(err) + ")");
 }
 
+// An op about to write window bytes [0, end): the Engram tables there are
+// stale from now on (a later fetch of one reports it instead of reading the
+// op's bytes). Their version words are cleared on `stream`, before the op's
+// kernels, so that a replayed command buffer clears them too.
+inline ffi::Error ClearOverwrittenTables(const DeviceResources& d, size_t end, cudaStream_t stream) {
+  if (cudaError_t err = LaunchEngramClear(d.engram_versions->Overlapping(0, end), d.engram_words(),
+                                          stream);
+      err != cudaSuccess) {
+    return CudaError(err, "clearing the Engram tables this op overwrites");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_ep

@@ -19,14 +19,39 @@ constexpr int kFetchThreads = 512;
 constexpr int kFetchUnroll = 4;
 constexpr int kFetchMaxBlocks = 64;
 
-__global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p, int32_t* token,
-                                    int32_t version) {
+// Before the copy (`clear_words`): the areas it overwrites, its own
+// included, have no live publication from now on. After it (`token`): a
+// new version, drawn on the device so that a replayed command buffer draws
+// a new one too, goes to the slot's word and to the token.
+__global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p,
+                                    const __grid_constant__ EngramPublishArgs a, bool after_copy) {
   if (threadIdx.x != 0) return;
+  if (!after_copy) {
+    for (int s = 0; s < kEngramSlots; ++s) {
+      if (s == a.slot || ((a.clear.bits[s / 64] >> (s % 64)) & 1u)) a.versions[1 + s] = 0;
+    }
+  }
   // An error already in the status word (e.g. the first barrier of this
-  // publish timed out) means the copy was skipped: still take part in the
-  // barrier so the peers are not left waiting, but mark the token.
+  // publish timed out) means the copy may not be complete everywhere: still
+  // take part in the barrier so the peers are not left waiting, but leave
+  // the token and the word at 0.
   const bool ok = rank_barrier(p, Op::kEngramFetch);
-  if (token != nullptr) *token = (ok && !has_error(p)) ? version : 0;
+  if (!after_copy) return;
+  uint32_t v = 0;
+  if (ok && !has_error(p)) {
+    // 31 bits, never 0: the token is an s32 and 0 means "no publication".
+    const unsigned long long n = a.versions[0] + 1;
+    a.versions[0] = n;
+    v = static_cast<uint32_t>((n - 1) % 0x7fffffffull) + 1;
+  }
+  a.versions[1 + a.slot] = v;
+  if (a.token != nullptr) *a.token = static_cast<int32_t>(v);
+}
+
+__global__ void EngramClearKernel(const __grid_constant__ EngramSlotMask m,
+                                  unsigned long long* versions) {
+  const int s = threadIdx.x;
+  if (s < kEngramSlots && ((m.bits[s / 64] >> (s % 64)) & 1u)) versions[1 + s] = 0;
 }
 
 template <bool kVec>
@@ -46,8 +71,13 @@ __global__ void __launch_bounds__(kFetchThreads)
   const uint32_t stride = gridDim.x * blockDim.x;
   // A stale publication reads nothing: every index counts as -1 (zeros).
   // Version 0 means no live publication there, whatever the token says (a
-  // failed publish also leaves 0 in its token).
-  const bool stale = a.token != nullptr && (a.version == 0 || __ldg(a.token) != a.version);
+  // failed publish also leaves 0 in its token). The word was written by an
+  // earlier kernel of this stream: a plain load, not the read-only path.
+  bool stale = false;
+  if (a.token != nullptr) {
+    const unsigned long long v = a.version == nullptr ? 0ull : *a.version;
+    stale = v == 0 || static_cast<unsigned long long>(static_cast<uint32_t>(__ldg(a.token))) != v;
+  }
   if (stale && blockIdx.x == 0 && threadIdx.x == 0) {
     report_error(p, Op::kEngramFetch, Cause::kStalePublication);
   }
@@ -107,7 +137,7 @@ __global__ void __launch_bounds__(kFetchThreads)
 }  // namespace
 
 cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream) {
-  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, nullptr, 0);
+  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a, false);
   if (a.table_bytes > 0) {
     // The local copy by the copy engine: the same path as the
     // cudaMemcpyAsync the publish is measured against, and no SMs taken.
@@ -117,7 +147,14 @@ cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cu
                                       cudaMemcpyDeviceToDevice, stream);
     if (err != cudaSuccess) return err;
   }
-  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a.token, a.version);
+  EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a, true);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchEngramClear(const EngramSlotMask& m, unsigned long long* versions,
+                              cudaStream_t stream) {
+  if (!m.Any()) return cudaSuccess;
+  EngramClearKernel<<<1, kEngramSlots, 0, stream>>>(m, versions);
   return cudaGetLastError();
 }
 

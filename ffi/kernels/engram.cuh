@@ -12,12 +12,31 @@
 
 namespace jax_ep {
 
+// Table placements with a version word of their own per device
+// (engram_versions.h). The words: u64 [1 + kEngramSlots] in the device's
+// counters (comm.h): [0] the last version drawn, [1 + s] the version of the
+// live publication in slot s (0: none).
+constexpr int kEngramSlots = 256;
+
+struct EngramSlotMask {
+  uint64_t bits[kEngramSlots / 64] = {};
+  void Set(int s) { bits[s / 64] |= uint64_t{1} << (s % 64); }
+  void Reset(int s) { bits[s / 64] &= ~(uint64_t{1} << (s % 64)); }
+  bool Any() const {
+    for (uint64_t b : bits)
+      if (b) return true;
+    return false;
+  }
+};
+
 struct EngramPublishArgs {
   const void* table = nullptr;  // [rows_per_rank, D] local shard, row_bytes each
   size_t table_bytes = 0;
   size_t table_off = 0;         // EngramWindow::table_off
-  int32_t* token = nullptr;     // [1]: `version` when the publish completed, 0 otherwise
-  int32_t version = 1;          // EngramVersions::Publish of this area
+  int32_t* token = nullptr;     // [1]: the new version when the publish completed, 0 otherwise
+  unsigned long long* versions = nullptr;  // the version words (above)
+  int slot = 0;                 // EngramVersions::Publish of this area
+  EngramSlotMask clear;         // other areas this copy overwrites
 };
 
 struct EngramFetchArgs {
@@ -28,16 +47,17 @@ struct EngramFetchArgs {
   size_t table_off = 0;
   void* out = nullptr;               // [n, row_bytes]
   int num_sms = 0;                   // CTAs; 0 = the model's choice
-  // The publish token this fetch reads and the version current at launch
-  // (EngramVersions::Current); null token: no check (publish + fetch in one
-  // call).
+  // The publish token this fetch reads and its area's version word
+  // (null: never published there); null token: no check (publish + fetch
+  // in one call).
   const int32_t* token = nullptr;
-  int32_t version = 0;
+  const unsigned long long* version = nullptr;
 };
 
-// barrier (nobody still reads the old table) -> copy -> barrier (every shard
-// in place) -> token. A barrier timeout goes to the status word and skips the
-// copy.
+// barrier (nobody still reads the old table; the overwritten areas' words
+// cleared) -> copy -> barrier (every shard in place) -> a new version in the
+// slot's word and the token. A barrier timeout goes to the status word; the
+// token and the word then stay 0.
 cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream);
 
 // No barrier: the publish that produced the token already ordered everything.
@@ -45,5 +65,10 @@ cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cu
 // Cause::kBadIndex in the status word; a token other than `version` gives
 // zero rows and Cause::kStalePublication.
 cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream);
+
+// Clears the version words of the slots in `m` (their tables are about to
+// be overwritten by another op); nothing is launched when `m` is empty.
+cudaError_t LaunchEngramClear(const EngramSlotMask& m, unsigned long long* versions,
+                              cudaStream_t stream);
 
 }  // namespace jax_ep

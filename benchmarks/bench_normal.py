@@ -408,8 +408,9 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
   sms = int(os.environ.get("JAX_EP_NUM_SMS", "0")) or 24
   results = []
+  # jax_ep_checked last: it replaces the communicator by a checked one.
   impls = impls or ["jax_ep", "reference", "jax_all_to_all",
-                    "jax_capacity_all_to_all", "jax_ragged_all_to_all"]
+                    "jax_capacity_all_to_all", "jax_ragged_all_to_all", "jax_ep_checked"]
 
   def record(bench, impl, dtype, t, row_bytes, nsms=None):
     nv, lg = _bytes(idx_np, shape, row_bytes)
@@ -435,16 +436,23 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
     for impl in impls:
-      if impl in ("jax_ep", "reference"):
+      if impl == "jax_ep_checked":
+        # Checked mode (docs/errors.md): every op waits for its own kernels
+        # and fails the program that caused an error. Its cost per op
+        # against the deferred default is what decides the default.
+        comm.close()
+        comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes, checked=True)
+      if impl in ("jax_ep", "reference", "jax_ep_checked"):
         backend = "reference" if impl == "reference" else "cuda"
         nsms = None if impl == "reference" else sms
         f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
         bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
-        f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
-        bench("normal_dispatch", impl, "fp8", f_fp8, (*x_fp8, topk_idx, w), fp8_row, nsms)
-        f_cast = smap(lambda x, i, w, b=backend: disp(x, i, w, fp8=True, backend=b).recv_x)
-        bench("normal_dispatch", impl + "_cast", "fp8",
-              f_cast, (x, topk_idx, w), fp8_row, nsms)
+        if impl != "jax_ep_checked":
+          f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
+          bench("normal_dispatch", impl, "fp8", f_fp8, (*x_fp8, topk_idx, w), fp8_row, nsms)
+          f_cast = smap(lambda x, i, w, b=backend: disp(x, i, w, fp8=True, backend=b).recv_x)
+          bench("normal_dispatch", impl + "_cast", "fp8",
+                f_cast, (x, topk_idx, w), fp8_row, nsms)
 
         def comb(x, i, w, b=backend):
           out = disp(x, i, w, backend=b)
@@ -571,13 +579,17 @@ def main(argv=None) -> int:
                   help="write the JSON to --out only, not also to benchmarks/results")
   args = ap.parse_args(argv)
 
-  gpus = require_two_gpus("bench_normal")
+  ranks = Shape().ranks
+  gpus = require_two_gpus("bench_normal", need=min(ranks, 2))
   if gpus is None:
     return 2
 
-  machine = _machine(gpus[:Shape().ranks])
-  ce, ce_note = copy_engine_gbps(gpus[:2])
-  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  machine = _machine(gpus[:ranks])
+  if ranks >= 2:
+    ce, ce_note = copy_engine_gbps(gpus[:2])
+    print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  else:  # JAX_EP_BENCH_RANKS=1: launch and local-path figures, no link to measure
+    ce, ce_note = None, "EP1: nothing crosses a link"
   records: list[dict] = []
   if args.sweep:
     toks = [128 << i for i in range(8)]  # 128 .. 16384

@@ -37,9 +37,9 @@ def _traits(target: str) -> dict:
   """The low-latency and Engram kernels launch the same work on every call
   (what changes between calls is on the device: docs/low_latency.md,
   docs/design.md §2), so XLA may capture them into command buffers (CUDA
-  graphs). The handlers declare the trait too (newer XLA reads it from
-  them); this is for a jaxlib that reads it from the registration. {} where
-  this jaxlib has no such trait."""
+  graphs). Whether this jaxlib's XLA then captures them is not yet shown
+  (benchmarks/RESULTS.md, session 9). {} where this jaxlib has no such
+  trait."""
   if target not in COMMAND_BUFFER_TARGETS:
     return {}
   try:

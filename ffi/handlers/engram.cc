@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <string>
 
+#include "handlers/device_sms.h"
 #include "handlers/state.h"
 #include "kernels/engram.cuh"
 #include "kernels/engram_grad.h"
@@ -93,6 +94,10 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
   a->table_bytes = w.table_bytes;
   a->table_off = w.table_off;
   a->versions = dev.engram_words();
+  a->copy_done = dev.counters + kEngramCopyCounter;
+  // Two CTAs per SM: bytes in flight, not SMs, set the copy rate; the
+  // publish runs alone (nothing else in the window moves meanwhile).
+  a->copy_ctas = 2 * DeviceSms(dev.device_ordinal);
   a->slot = dev.engram_versions->Publish(a->table_off, a->table_bytes, &a->clear);
   if (a->slot < 0) {
     return Invalid(op, "more than " + std::to_string(kEngramSlots) + " distinct Engram table "
@@ -265,8 +270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishExecute, jax_ep::EngramPublishEx
                                   .Attr<int64_t>("reserved_bytes")
                                   .Attr<int64_t>("table_end_offset")
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramFetchExecute, jax_ep::EngramFetchExecute,
                               jax_ep::BindEpExecute()
@@ -276,8 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramFetchExecute, jax_ep::EngramFetchExecut
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPublishFetchExecute,
                               jax_ep::BindEpExecute()
@@ -285,8 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPubl
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramGradExecute, jax_ep::EngramGradExecute,
                               xla::ffi::Ffi::Bind()
@@ -294,5 +296,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramGradExecute, jax_ep::EngramGradExecute,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

@@ -365,8 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchExecute, jax_ep::LlDispatchExecute,
                                   .Ret<xffi::AnyBuffer>()
                                   .Ret<xffi::Buffer<xffi::F32>>()
                                   .Ret<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xffi::Buffer<xffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute, jax_ep::LlDispatchSendExecute,
                               jax_ep::BindLl()
@@ -376,8 +375,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute, jax_ep::LlDispatchSend
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xffi::AnyBuffer>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xffi::Buffer<xffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute, jax_ep::LlDispatchRecvExecute,
                               jax_ep::BindLl()
@@ -391,8 +389,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute, jax_ep::LlDispatchRecv
                                   .Ret<xffi::AnyBuffer>()
                                   .Ret<xffi::Buffer<xffi::F32>>()
                                   .Ret<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xffi::Buffer<xffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineExecute, jax_ep::LlCombineExecute,
                               jax_ep::BindLl()
@@ -403,8 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineExecute, jax_ep::LlCombineExecute,
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::F32>>()
-                                  .Ret<xffi::AnyBuffer>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendExecute, jax_ep::LlCombineSendExecute,
                               jax_ep::BindLl()
@@ -414,8 +410,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSendExecute, jax_ep::LlCombineSendEx
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
-                                  .Ret<xffi::Buffer<xffi::S32>>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xffi::Buffer<xffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvExecute, jax_ep::LlCombineRecvExecute,
                               jax_ep::BindLl()
@@ -425,5 +420,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecvExecute, jax_ep::LlCombineRecvEx
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::S32>>()
                                   .Arg<xffi::Buffer<xffi::F32>>()
-                                  .Ret<xffi::AnyBuffer>(),
-                              {::xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Ret<xffi::AnyBuffer>());

@@ -8,7 +8,7 @@ table (no -1: never time zeros). Measured in the same process run:
                   i.e. what one call of the public op costs
   jax_ep_fetch    the fetch kernel alone, on a table published once before
                   timing (the inference case: publish once, fetch many times)
-  jax_ep_publish  the publish alone (its local copy is a cudaMemcpyAsync)
+  jax_ep_publish  the publish alone (barrier, the copy on the SMs, barrier)
   d2d_memcpy      (bench = engram_publish) a device-to-device cudaMemcpyAsync
                   of the shard's bytes: the publish's bar is 0.8 x its rate
   reference       engram_fetch(backend="reference"): request/response
@@ -20,7 +20,10 @@ Per rank: `nvlink_gbps` counts the bytes of the rows owned by the other rank
 `mrows_per_s` fetched rows (T * e) per second. Times: medians over repeats of
 a jitted step running the op `iters` times back-to-back, every call's output
 returned and its inputs passed through lax.optimization_barrier
-(bench_normal._time_step), divided by `iters`.
+(bench_normal._time_step), divided by `iters`. Beside them, for jax_ep's
+rows, from a profiler trace: `gpu_us`, the GPU's busy time per call (every
+kernel and copy), and for the fetch `kernel_us`, EngramFetchKernel alone
+(what DeepEP reports); wall minus busy is launch and host time.
 
   python benchmarks/bench_engram.py [--quick] [--out DIR]
 

@@ -8,7 +8,7 @@ table (no -1: never time zeros). Measured in the same process run:
                   i.e. what one call of the public op costs
   jax_ep_fetch    the fetch kernel alone, on a table published once before
                   timing (the inference case: publish once, fetch many times)
-  jax_ep_publish  the publish alone (barrier, the copy on the SMs, barrier)
+  jax_ep_publish  the publish alone (barrier, cudaMemcpyAsync, barrier)
   d2d_memcpy      (bench = engram_publish) a device-to-device cudaMemcpyAsync
                   of the shard's bytes: the publish's bar is 0.8 x its rate
   reference       engram_fetch(backend="reference"): request/response

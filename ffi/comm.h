@@ -50,9 +50,8 @@ constexpr int kLsaBarrierCount = 64;
 // 1 is unused), slots 2..15 the low-latency kernels (low_latency.cuh),
 // slots from kGinSnapshotCounter on EpPeers.gin_snapshot
 // (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount), then the Engram
-// version words (engram.cuh); slot 16 counts the CTAs done with an Engram
-// publish's copy; 17..63 are free for kernels that need scratch counters.
-constexpr int kEngramCopyCounter = 16;
+// version words (engram.cuh); 16..63 are free for kernels that need scratch
+// counters.
 constexpr int kGinSnapshotCounter = 64;
 constexpr int kEngramVersionCounter = kGinSnapshotCounter + kMaxRanks * 32;
 constexpr int kNumDeviceCounters = kEngramVersionCounter + 1 + kEngramSlots;

@@ -34,7 +34,6 @@
 #include <cstdint>
 #include <string>
 
-#include "handlers/device_sms.h"
 #include "handlers/state.h"
 #include "kernels/engram.cuh"
 #include "kernels/engram_grad.h"
@@ -94,10 +93,6 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
   a->table_bytes = w.table_bytes;
   a->table_off = w.table_off;
   a->versions = dev.engram_words();
-  a->copy_done = dev.counters + kEngramCopyCounter;
-  // Two CTAs per SM: bytes in flight, not SMs, set the copy rate; the
-  // publish runs alone (nothing else in the window moves meanwhile).
-  a->copy_ctas = 2 * DeviceSms(dev.device_ordinal);
   a->slot = dev.engram_versions->Publish(a->table_off, a->table_bytes, &a->clear);
   if (a->slot < 0) {
     return Invalid(op, "more than " + std::to_string(kEngramSlots) + " distinct Engram table "

@@ -40,7 +40,7 @@ __device__ void FinishPublish(const EpPeers& p, const EngramPublishArgs& a) {
 
 // Before the copy (!after_copy): the areas it overwrites, its own
 // included, have no live publication from now on, and no peer still reads
-// them (barrier). After a copy-engine copy: FinishPublish.
+// them (barrier). After the copy: FinishPublish.
 __global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p,
                                     const __grid_constant__ EngramPublishArgs a, bool after_copy) {
   if (threadIdx.x != 0) return;
@@ -52,50 +52,6 @@ __global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p,
     if (s == a.slot || ((a.clear.bits[s / 64] >> (s % 64)) & 1u)) a.versions[1 + s] = 0;
   }
   rank_barrier(p, Op::kEngramFetch);
-}
-
-// The publish's local copy on the SMs, then (its last CTA) the barrier
-// that tells the peers the shard is in place. On the copy engine instead
-// (cudaMemcpyAsync between two kernels) the publish cost the copy plus
-// ~12 µs of engine switches per call on 1 x H200 (benchmarks/RESULTS.md,
-// session 9); kernel to kernel the switch is ~1 µs.
-constexpr int kCopyThreads = 512;
-constexpr int kCopyUnroll = 8;
-
-__global__ void __launch_bounds__(kCopyThreads)
-    EngramPublishCopyKernel(const __grid_constant__ EpPeers p,
-                            const __grid_constant__ EngramPublishArgs a) {
-  const uint4* src = static_cast<const uint4*>(a.table);
-  uint4* dst = reinterpret_cast<uint4*>(p.base[p.rank] + a.table_off);
-  const size_t n = a.table_bytes / 16;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t base = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < n;
-       base += stride * kCopyUnroll) {
-    uint4 v[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const size_t q = base + u * stride;
-      if (q < n) v[u] = LdNcNa(src + q);
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const size_t q = base + u * stride;
-      if (q < n) StNa(dst + q, v[u]);
-    }
-  }
-  // The last CTA to finish runs the second barrier: every CTA's stores are
-  // fenced before it counts itself done.
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(a.copy_done, 1ull) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last || threadIdx.x != 0) return;
-  *a.copy_done = 0;  // for the next publish (stream order)
-  __threadfence();
-  FinishPublish(p, a);
 }
 
 __global__ void EngramClearKernel(const __grid_constant__ EngramSlotMask m,
@@ -188,17 +144,13 @@ __global__ void __launch_bounds__(kFetchThreads)
 
 cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream) {
   EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a, false);
-  // After a failed first barrier the copy still runs; the token reports it.
-  const bool vec = a.table_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a.table) % 16 == 0 &&
-                   a.table_off % 16 == 0;
-  if (a.table_bytes > 0 && vec && a.copy_done != nullptr && a.copy_ctas > 0) {
-    const uint64_t per_cta = static_cast<uint64_t>(kCopyThreads) * kCopyUnroll;
-    const int ctas = static_cast<int>(std::max<uint64_t>(
-        1, std::min<uint64_t>(a.copy_ctas, (a.table_bytes / 16 + per_cta - 1) / per_cta)));
-    EngramPublishCopyKernel<<<ctas, kCopyThreads, 0, stream>>>(p, a);
-    return cudaGetLastError();
-  }
   if (a.table_bytes > 0) {
+    // The local copy by the copy engine: the same path as the
+    // cudaMemcpyAsync the publish is measured against, and no SMs taken.
+    // A 264-CTA SM copy with the second barrier in its last CTA took 76 µs
+    // of GPU time per 134 MB against the copy engine's 71 (1 x H200,
+    // benchmarks/RESULTS.md, session 9). After a failed first barrier the
+    // copy still runs; the token reports it.
     cudaError_t err = cudaMemcpyAsync(p.base[p.rank] + a.table_off, a.table, a.table_bytes,
                                       cudaMemcpyDeviceToDevice, stream);
     if (err != cudaSuccess) return err;

@@ -37,10 +37,6 @@ struct EngramPublishArgs {
   unsigned long long* versions = nullptr;  // the version words (above)
   int slot = 0;                 // EngramVersions::Publish of this area
   EngramSlotMask clear;         // other areas this copy overwrites
-  // The copy on `copy_ctas` CTAs, its last one counting on `copy_done` (a
-  // device counter, 0 between publishes); 0 CTAs: by the copy engine.
-  unsigned long long* copy_done = nullptr;
-  int copy_ctas = 0;
 };
 
 struct EngramFetchArgs {

@@ -1,0 +1,106 @@
+"""Where a chain of small calls spends its time (one GPU): for a chain of
+Engram fetches, a chain of jax_ep layout calls and a chain of XLA
+elementwise ops, the wall time per call, the GPU's busy time per call, the
+median gap between the starts of consecutive kernels on the GPU, and the
+host-side trace events that occur once per call (name, mean µs). Wall well
+above busy with kernels spaced by the host's per-call time means the host
+enqueues no further ahead than one call: the per-call host cost is then on
+the critical path.
+
+  python benchmarks/trace_chain.py [--out DIR]   (writes trace_chain.json)
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_normal as bn  # noqa: E402
+
+ITERS = 50
+
+
+def _profile(fn, args, kernel: str) -> dict:
+  import jax
+  wall = bn._time_step(fn, args, iters=ITERS, repeats=7)
+  tdir = tempfile.mkdtemp(prefix="jax_ep_chain_")
+  with jax.profiler.trace(tdir, create_perfetto_trace=True):
+    bn._time_step(fn, args, iters=ITERS, repeats=1)
+  evs, names = bn.load_trace(tdir)
+  gpu = {p for p, n in names.items() if "GPU" in str(n)}
+  dev = sorted((e for e in evs if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e),
+               key=lambda e: float(e["ts"]))
+  mine = [e for e in dev if kernel in e.get("name", "")]
+  starts = [float(e["ts"]) for e in mine]
+  gaps = [b - a for a, b in zip(starts, starts[1:]) if b - a < 1000.0]
+  host: dict[str, list[float]] = {}
+  for e in evs:
+    if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e:
+      host.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
+  calls = 3 * ITERS  # _time_step: two warm-ups and one timed step
+  per_call = sorted(((n, len(d), statistics.mean(d)) for n, d in host.items()
+                     if calls <= len(d) <= 4 * calls), key=lambda t: -t[2])[:12]
+  return dict(wall_us=wall * 1e6, gpu_busy_us=sum(float(e["dur"]) for e in dev) / calls,
+              kernel_us=(sum(float(e["dur"]) for e in mine) / calls) if mine else None,
+              start_gap_us=statistics.median(gaps) if gaps else None,
+              host_per_call=[dict(name=n[:80], count=c, mean_us=m) for n, c, m in per_call])
+
+
+def main(argv=None) -> int:
+  args = bn.simple_args(__doc__, argv)
+  gpus = bn.require_two_gpus("trace_chain", need=1)
+  if gpus is None:
+    return 2
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import jax_ep
+  from jax_ep import _ffi_engram
+
+  mesh = Mesh(np.array(gpus[:1]), ("ep",))
+  smap = lambda f: jax_ep.shard_map(f, mesh=mesh)  # noqa: E731
+  rng = np.random.default_rng(0)
+  VL, D, T, E = 524288, 128, 512, 24
+  table = jax.device_put(jnp.asarray(rng.standard_normal((VL, D)), jnp.bfloat16),
+                         NamedSharding(mesh, P("ep")))
+  idx = jax.device_put(rng.integers(0, VL, (T, E)).astype(np.int32), NamedSharding(mesh, P("ep")))
+  nbytes = _ffi_engram.window_bytes_needed(rows_per_rank=VL, dim=D, dtype=jnp.bfloat16) + (8 << 20)
+  out = {}
+  with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes) as comm:
+    cid = comm.comm_id
+    token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))(table))
+    fetch = smap(lambda tok, i: _ffi_engram.fetch_cuda(tok, i, rows_per_rank=VL, dim=D,
+                                                       dtype=jnp.bfloat16, comm_id=cid))
+    out["engram_fetch"] = _profile(fetch, (token, idx), "EngramFetchKernel")
+    topk = jax.device_put(np.stack([rng.permutation(256)[:8] for _ in range(4096)]).astype(np.int32),
+                          NamedSharding(mesh, P("ep")))
+    layout = smap(lambda i: jax_ep.get_dispatch_layout(i, num_experts=256, axis_name="ep",
+                                                       backend="cuda"))
+    out["dispatch_layout"] = _profile(layout, (topk,), "Layout")
+    comm.check()
+  x = jax.device_put(jnp.asarray(rng.standard_normal((T, E, D)), jnp.bfloat16),
+                     NamedSharding(mesh, P("ep")))
+  out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), "")
+  for k, r in out.items():
+    print(f"{k}: wall {r['wall_us']:.1f} us/call, GPU busy {r['gpu_busy_us']:.1f}, kernel "
+          f"{r['kernel_us'] if r['kernel_us'] is None else round(r['kernel_us'], 1)}, start gap "
+          f"{r['start_gap_us'] if r['start_gap_us'] is None else round(r['start_gap_us'], 1)}")
+    for h in r["host_per_call"]:
+      print(f"    host {h['mean_us']:8.1f} us x{h['count']:5d}  {h['name']}")
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "trace_chain.json")
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  print(f"json: {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -95,7 +95,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram, _native
-  from bench_normal import kernel_us, time_or_none
+  from bench_normal import time_or_none, trace_us
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -125,10 +125,11 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
     record(impl, dtype, t, row_bytes, nsms)
     extra = ""
     if impl.startswith("jax_ep"):
-      gpu = kernel_us(fn, args, None, shape.ranks)
-      kern = kernel_us(fn, args, kernel, shape.ranks) if kernel else None
-      results[-1].update(gpu_us=gpu, kernel_us=kern)
-      extra = f"  gpu busy {_fmt(gpu, '6.1f')} us" + (f", {kernel} {_fmt(kern, '6.1f')} us" if kernel else "")
+      tr = trace_us(fn, args, kernel, shape.ranks)
+      results[-1].update(gpu_us=tr["gpu_us"], kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"])
+      extra = f"  gpu busy {_fmt(tr['gpu_us'], '6.1f')} us" + (
+          f", {kernel} {_fmt(tr['kernel_us'], '6.1f')} us, {_fmt(tr['gap_us'], '6.1f')} us apart"
+          if kernel else "")
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   num_bytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=d,
@@ -145,7 +146,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
         else:
           f = smap(lambda t, i, b=backend: jax_ep.engram_fetch(t, i, backend=b))
           args = (tab, idx)
-        bench(impl, dtype, f, args, row_bytes, None)
+        bench(impl, dtype, f, args, row_bytes, None,
+              kernel="EngramFetchKernel" if impl == "jax_ep" else None)
 
       # Publish once, then time the fetch kernel alone (+ the FP8 scale gather).
       pub = jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))
@@ -162,7 +164,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
             (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None,
             kernel="EngramFetchKernel")
       bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
-            (tab,), row_bytes, None)
+            (tab,), row_bytes, None, kernel="DtoD")  # its copy-engine copy
       # The publish's bar: a device-to-device cudaMemcpyAsync of the shard's
       # bytes on one of the GPUs, measured in this run.
       shard_bytes = shape.rows_per_rank * row_bytes

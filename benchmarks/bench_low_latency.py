@@ -71,9 +71,11 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
                max_tokens=MAX_TOKENS, time_us=t * 1e6, nvlink_gbps=nv / t / 1e9,
                logical_gbps=lg / t / 1e9, sms=None, calls_per_step=chain)
     if kernel is not None:
-      rec.update(sms=ll_sms(shape), kernel_us=bench_normal.kernel_us(fn, args, kernel, shape.ranks))
+      tr = bench_normal.trace_us(fn, args, kernel, shape.ranks)
+      rec.update(sms=ll_sms(shape), kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"])
     results.append(rec)
-    extra = "" if kernel is None else f"  kernel {rec['kernel_us']:.1f} us, {rec['sms']} SMs"
+    extra = "" if kernel is None else (f"  kernel {rec['kernel_us']} us, {rec['chain_gap_us']} us "
+                                       f"apart in the chain, {rec['sms']} SMs")
     print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4

@@ -173,24 +173,47 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
           if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def kernel_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 20) -> Optional[float]:
-  """GPU time per call and per rank (µs) of the GPU events whose name
-  contains `kernel` (None: every event, i.e. the busy time of the GPUs), from
-  a jax.profiler trace of `iters`-call steps (what DeepEP reports), or None
-  when the trace cannot be read."""
+def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> dict:
+  """From a jax.profiler trace of `iters`-call steps, per call and per rank
+  (µs): `kernel_us`, the GPU time of the events whose name contains
+  `kernel` (what DeepEP reports); `gpu_us`, of every GPU event (the busy
+  time); `gap_us`, the median start-to-start gap of consecutive `kernel`
+  events on one GPU inside a step (what a call costs in a long chain,
+  launch gaps included, without the step's own launch, sync and the
+  returning of its outputs). None where the trace cannot be read or
+  `kernel` matches nothing."""
   import tempfile
   import jax
+  out = dict(kernel_us=None, gpu_us=None, gap_us=None)
   try:
     tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
     with jax.profiler.trace(tdir, create_perfetto_trace=True):
       _time_step(fn, args, iters=iters, repeats=1)
-    evs = [e for e in gpu_kernel_events(tdir) if kernel is None or kernel in e["name"]]
-    # _time_step runs its step three times here (two warm-ups, one timed);
-    # each rank's GPU runs every call once.
-    return sum(e["dur"] for e in evs) / (3 * iters * ranks) if evs else None
+    evs = gpu_kernel_events(tdir)
   except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
     print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return None
+    return out
+  # _time_step runs its step three times here (two warm-ups, one timed);
+  # each rank's GPU runs every call once.
+  calls = 3 * iters * ranks
+  mine = [e for e in evs if kernel and kernel in e["name"]]
+  if evs:
+    out["gpu_us"] = sum(e["dur"] for e in evs) / calls
+  if mine:
+    out["kernel_us"] = sum(e["dur"] for e in mine) / calls
+    starts = sorted(e["ts"] for e in mine)
+    # Gaps between steps (the host's step overhead) are far longer than a
+    # call: the median is a call's.
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    out["gap_us"] = statistics.median(gaps) if gaps else None
+  return out
+
+
+def kernel_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 20) -> Optional[float]:
+  """GPU time per call and per rank (µs) of the events whose name contains
+  `kernel` (None: every event), from trace_us."""
+  t = trace_us(fn, args, kernel or "", ranks, iters)
+  return t["kernel_us"] if kernel else t["gpu_us"]
 
 
 def simple_args(doc: str, argv=None) -> argparse.Namespace:

@@ -1,7 +1,8 @@
 """Where a chain of small calls spends its time (one GPU): for a chain of
 Engram fetches, a chain of jax_ep layout calls and a chain of XLA
 elementwise ops, the wall time per call, the GPU's busy time per call, the
-median gap between the starts of consecutive kernels on the GPU, and the
+median gap between the starts of consecutive kernels on the GPU, the wall
+time each call added to a chain twice as long, and the
 host-side trace events that occur once per call (name, mean µs). Wall well
 above busy with kernels spaced by the host's per-call time means the host
 enqueues no further ahead than one call: the per-call host cost is then on
@@ -30,6 +31,9 @@ ITERS = 50
 def _profile(fn, args, kernel: str) -> dict:
   import jax
   wall = bn._time_step(fn, args, iters=ITERS, repeats=7)
+  # The step's fixed cost drops out of the difference of two chain lengths;
+  # what each returned output costs does not.
+  slope = (bn._time_step(fn, args, iters=2 * ITERS, repeats=7) * 2 * ITERS - wall * ITERS) / ITERS
   tdir = tempfile.mkdtemp(prefix="jax_ep_chain_")
   with jax.profiler.trace(tdir, create_perfetto_trace=True):
     bn._time_step(fn, args, iters=ITERS, repeats=1)
@@ -47,7 +51,7 @@ def _profile(fn, args, kernel: str) -> dict:
   calls = 3 * ITERS  # _time_step: two warm-ups and one timed step
   per_call = sorted(((n, len(d), statistics.mean(d)) for n, d in host.items()
                      if calls <= len(d) <= 4 * calls), key=lambda t: -t[2])[:12]
-  return dict(wall_us=wall * 1e6, gpu_busy_us=sum(float(e["dur"]) for e in dev) / calls,
+  return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=sum(float(e["dur"]) for e in dev) / calls,
               kernel_us=(sum(float(e["dur"]) for e in mine) / calls) if mine else None,
               start_gap_us=statistics.median(gaps) if gaps else None,
               host_per_call=[dict(name=n[:80], count=c, mean_us=m) for n, c, m in per_call])
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
                      NamedSharding(mesh, P("ep")))
   out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), "")
   for k, r in out.items():
-    print(f"{k}: wall {r['wall_us']:.1f} us/call, GPU busy {r['gpu_busy_us']:.1f}, kernel "
+    print(f"{k}: wall {r['wall_us']:.1f} us/call ({r['slope_us']:.1f} per added call), GPU busy {r['gpu_busy_us']:.1f}, kernel "
           f"{r['kernel_us'] if r['kernel_us'] is None else round(r['kernel_us'], 1)}, start gap "
           f"{r['start_gap_us'] if r['start_gap_us'] is None else round(r['start_gap_us'], 1)}")
     for h in r["host_per_call"]:

@@ -164,7 +164,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
             (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None,
             kernel="EngramFetchKernel")
       bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
-            (tab,), row_bytes, None, kernel="DtoD")  # its copy-engine copy
+            (tab,), row_bytes, None, kernel="memcpy")  # its copy-engine copy
       # The publish's bar: a device-to-device cudaMemcpyAsync of the shard's
       # bytes on one of the GPUs, measured in this run.
       shard_bytes = shape.rows_per_rank * row_bytes

@@ -176,7 +176,7 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
 def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> dict:
   """From a jax.profiler trace of `iters`-call steps, per call and per rank
   (µs): `kernel_us`, the GPU time of the events whose name contains
-  `kernel` (what DeepEP reports); `gpu_us`, of every GPU event (the busy
+  `kernel`, any case (what DeepEP reports); `gpu_us`, of every GPU event (the busy
   time); `gap_us`, the median start-to-start gap of consecutive `kernel`
   events on one GPU inside a step (what a call costs in a long chain,
   launch gaps included, without the step's own launch, sync and the
@@ -196,7 +196,7 @@ def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> di
   # _time_step runs its step three times here (two warm-ups, one timed);
   # each rank's GPU runs every call once.
   calls = 3 * iters * ranks
-  mine = [e for e in evs if kernel and kernel in e["name"]]
+  mine = [e for e in evs if kernel and kernel.lower() in e["name"].lower()]
   if evs:
     out["gpu_us"] = sum(e["dur"] for e in evs) / calls
   if mine:

@@ -1,5 +1,6 @@
-// Normal (high-throughput) combine over LSA: the expert side pushes every row
-// (and its weight) back into the source rank's window, at a slot the source
+// Normal (high-throughput) combine: the expert side pushes every row (and its
+// weight) back into the source rank's window (through transport.cuh: LSA or
+// GIN per peer), at a slot the source
 // can find without any index exchange: rank layout [my rank][pos_in_rank],
 // expert layout [token][k]. Reducers on the source wait per chunk of rows
 // (window_layout.h) and sum each token's rows in the fixed order of docs/design.md §2
@@ -17,7 +18,7 @@
 #include <cuda_fp16.h>
 
 #include "ep_copy.cuh"
-#include "gin_stage.cuh"
+#include "transport.cuh"
 #include "vec16.cuh"
 #include "ep_kernels.h"
 #include "window_layout.h"
@@ -226,7 +227,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   const int chunk = ChunkRows(c.T);  // of the source's positions (rank) / tokens (expert)
   char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
   char* const my = p.base[r];
-  const GinChunkGeometry geo{w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows};
+  const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
 
   if (!ok) {
     // Nobody sends: every output token gets zeros (and an error is reported).
@@ -252,19 +253,9 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         for (int d = 1; d < R; ++d) {
           const int j = (r + d) % R;
           if (pos >= s_sends[j]) continue;
-          if ((p.gin_mask >> j) & 1u) {
-            const int ch = pos / c.gin_rows;
-            SendCombineRow(c, w, io, my + w.stage_off + (static_cast<size_t>(j) * c.T + pos) * w.row_bytes,
-                           s_prefix[j] + pos);
-            GinCountStaged(p, Op::kCombine, geo, ChunkCounter(my, j, ch),
-                           static_cast<uint32_t>(min(c.gin_rows, s_sends[j] - ch * c.gin_rows)), ch, 1u << j,
-                           gin_channels);
-          } else {
-            char* const jbase = ShflPtr(lane_base, j);
-            SendCombineRow(c, w, io, jbase + w.recv_off + (static_cast<size_t>(r) * c.T + pos) * w.row_bytes,
-                           s_prefix[j] + pos);
-            CountRowsDone(ChunkCounter(jbase, r, pos / chunk), 1u);
-          }
+          char* const jbase = ShflPtr(lane_base, j);
+          SendCombineRow(c, w, io, tr.RowSlot(j, jbase, pos), s_prefix[j] + pos);
+          tr.RowWritten(Op::kCombine, j, jbase, pos, s_sends[j], gin_channels);
         }
       }
     } else {
@@ -272,29 +263,19 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       // ranks' slots), from this warp's own stage row, which it may only
       // overwrite once the previous put has read it (GinFlushWarp). The
       // stage area has R*T rows: at most that many warps send then.
-      if (p.gin_mask != 0) nsw = min(nsw, R * c.T);
+      if (tr.AnyGin()) nsw = min(nsw, R * c.T);
       for (int row = sw; sw < nsw && row < c.C; row += nsw) {
         const int s = io.src_rank[row];
         if (s < 0) continue;
         const int t = io.src_token[row], k = io.src_k[row];
         const size_t slot = w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
-        if ((p.gin_mask >> s) & 1u) {
-          const size_t staged = w.stage_off + static_cast<size_t>(sw) * w.row_bytes;
-          GinFlushWarp(p, gin_channels);
-          gin_channels = 0;
-          SendCombineRow(c, w, io, my + staged, row);
-          __syncwarp();
-          const int ch = t / c.gin_rows;
-          GinPutWarp(p, Op::kCombine, s, slot, staged, w.row_bytes, GinSignalId(r, ch));
-          gin_channels |= 1u << ch;
-          continue;
-        }
+        const size_t staged = w.stage_off + static_cast<size_t>(sw) * w.row_bytes;
         char* const sbase = ShflPtr(lane_base, s);
-        SendCombineRow(c, w, io, sbase + slot, row);
-        CountRowsDone(ChunkCounter(sbase, r, t / chunk), 1u);
+        SendCombineRow(c, w, io, tr.BeginRowPut(s, sbase, slot, staged, gin_channels), row);
+        tr.EndRowPut(Op::kCombine, s, sbase, slot, staged, t, gin_channels);
       }
     }
-    GinFlushWarp(p, gin_channels);
+    tr.Flush(gin_channels);
     return;
   }
 
@@ -324,20 +305,11 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       const int nch = NumChunks(c.T, chunk);
       for (int j = 0; j < R; ++j) {
         if (s_announced[j] <= 0) continue;
-        const bool gin = (p.gin_mask >> j) & 1u;
         // GIN: one signal per chunk (rank layout) or per row (expert layout).
-        const int want = !gin ? s_announced[j] : c.expert ? s_announced[j] : NumChunks(s_announced[j], c.gin_rows);
+        const int want = tr.AnnouncedCounts(j, s_announced[j], c.expert);
         int got = 0;
         while (got != want) {
-          got = 0;
-          if (gin) {
-            if (lane < kGinDataChannels)
-              got = static_cast<int>(GinReadSignal(p, Op::kCombine, GinSignalId(j, lane)) - GinExpected(p, j, lane, 0));
-          } else {
-            for (int ch = lane; ch < nch; ch += 32)
-              got += static_cast<int>(*reinterpret_cast<volatile uint32_t*>(ChunkCounter(my, j, ch)));
-          }
-          got = __reduce_add_sync(kFullMask, got);
+          got = __reduce_add_sync(kFullMask, tr.ArrivedPart(Op::kCombine, j, nch));
           if (globaltimer_ns() - t0 > p.timeout_ns) {
             if (lane == 0) report_error(p, Op::kCombine, Cause::kPeerTimeout, static_cast<uint32_t>(j));
             break;
@@ -365,14 +337,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       for (unsigned m = mask & ~(1u << r); m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
         const int pj = __shfl_sync(kFullMask, pos, j);
-        if ((p.gin_mask >> j) & 1u) {
-          const int ch = pj / c.gin_rows;
-          alive = GinWaitSignalWarp(p, Op::kCombine, GinSignalId(j, ch), GinExpected(p, j, ch, 1), j, t0);
-        } else {
-          const int ch = pj / chunk;
-          const uint32_t expected = static_cast<uint32_t>(min(chunk, s_sent[j] - ch * chunk));
-          alive = WaitChunk(p, ChunkCounter(my, j, ch), expected, Op::kCombine, j, t0);
-        }
+        alive = tr.WaitRow(Op::kCombine, j, pj, s_sent[j], t0);
       }
       const char* row = nullptr;
       float wt = 1.f;
@@ -403,29 +368,22 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       n = __popc(vmask);
       // Rows expected in t's chunk from each rank: count the chunk's entries.
       const int El = c.E / R;
-      const int c0 = (t / chunk) * chunk, c1 = min(c.T, c0 + chunk);
       unsigned need = 0;  // bit j: some entry of this token is on rank j
       if (valid) need = 1u << (id / El);
       need = __reduce_or_sync(kFullMask, need);
       for (unsigned m = need; m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
-        // A GIN source counts rows per GIN chunk of tokens, on that chunk's signal.
-        const bool gin = (p.gin_mask >> j) & 1u;
-        const int rows = gin ? c.gin_rows : chunk;
-        const int g0 = gin ? (t / rows) * rows : c0, g1 = gin ? min(c.T, g0 + rows) : c1;
+        // Each source's rows of the chunk of tokens t is in (its transport's
+        // chunking), counted from the routing.
+        const int rows = tr.RowsPerChunk(j);
+        const int g0 = (t / rows) * rows, g1 = min(c.T, g0 + rows);
         int cnt = 0;
         for (int i = g0 * c.K + lane; i < g1 * c.K; i += 32) {
           const int e = io.topk[i];
           cnt += (e >= 0 && e < c.E && e / El == j) ? 1 : 0;
         }
         cnt = __reduce_add_sync(kFullMask, cnt);
-        if (gin) {
-          const int ch = t / rows;
-          alive = GinWaitSignalWarp(p, Op::kCombine, GinSignalId(j, ch),
-                                    GinExpected(p, j, ch, static_cast<uint32_t>(cnt)), j, t0);
-        } else {
-          alive = WaitChunk(p, ChunkCounter(my, j, t / chunk), static_cast<uint32_t>(cnt), Op::kCombine, j, t0);
-        }
+        alive = tr.WaitTokenChunk(Op::kCombine, j, t / rows, static_cast<uint32_t>(cnt), t0);
       }
       // Order by (expert id, k): expert id ascending = rank then local expert.
       const long long key = valid ? static_cast<long long>(id) * kMaxTopk + lane : -1;

@@ -1,5 +1,6 @@
-// Normal (high-throughput) dispatch over LSA: see ep_kernels.h for the kernel
-// sequence and window_layout.h for where the bytes go.
+// Normal (high-throughput) dispatch: see ep_kernels.h for the kernel
+// sequence, window_layout.h for where the bytes go and transport.cuh for how
+// a peer is reached (LSA or GIN).
 //
 // Why push into [source][slot] rows: XLA's output buffers cannot be mapped by
 // the peers, so every remote row must land in the receiver's symmetric window
@@ -26,7 +27,7 @@
 #include "ep_copy.cuh"
 #include "ep_kernels.h"
 #include "fp8.cuh"
-#include "gin_stage.cuh"
+#include "transport.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -269,6 +270,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   int* scratch = ScratchOf(p, w);
   const int nslots = c.expert ? w.counts_stride : 2;
   const int tid = threadIdx.x;
+  const PeerTransport tr{p, p.base[r], 0, {}};  // control words only
 
   // This op's chunk counters start from zero; the barrier below publishes
   // that before any peer can add (window_layout.h).
@@ -301,28 +303,15 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
         v = scratch[sc.entries_per_expert + j * El + (i - 2)];
       }
       const uint64_t word = MakeTagged(s_tag, static_cast<uint32_t>(v));
-      if ((p.gin_mask >> j) & 1u) {
-        // Staged in my window; thread 0 puts each GIN peer's row below.
-        StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + w.counts_out_off) +
-                          static_cast<size_t>(j) * w.counts_stride + i, word);
-      } else {
-        StU64Volatile(reinterpret_cast<uint64_t*>(p.base[j] + w.counts_off) +
-                          static_cast<size_t>(r) * w.counts_stride + i, word);
-      }
+      // A GIN peer's row is staged here; thread 0 puts it below.
+      StU64Volatile(tr.ControlWord(j, w.counts_off, w.counts_out_off, w.counts_stride, i), word);
     }
     __threadfence_system();  // each writer: its counts are visible before the barrier's release
   }
   __syncthreads();
   if (tid == 0) {
     __threadfence_system();
-    // GIN peers: my counts row for j, on the control channel ahead of the
-    // barrier signal that vouches for it.
-    for (int j = 0; j < R && !s_fail; ++j) {
-      if ((p.gin_mask >> j) & 1u)
-        GinPutQuiet(p, Op::kDispatch, j, w.counts_off + 8 * static_cast<size_t>(r) * w.counts_stride,
-                    w.counts_out_off + 8 * static_cast<size_t>(j) * w.counts_stride,
-                    8 * static_cast<size_t>(nslots), GinSignalId(r, kGinControlChannel));
-    }
+    if (!s_fail) tr.PutControlRows(Op::kDispatch, w.counts_off, w.counts_out_off, w.counts_stride, nslots);
     if (!rank_barrier(p, Op::kDispatch)) s_fail = 1;
   }
   __syncthreads();
@@ -682,14 +671,9 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     // memory; do it once per thread, then move pointers between lanes.
     char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
     const int jl = lane < R ? lane : 0;
-    const bool gin_lane = lane < R && ((p.gin_mask >> lane) & 1u);
-    // Rows for a GIN peer are staged in my window; an LSA peer's go straight
-    // into its window.
-    char* const lane_rows = gin_lane
-                                ? my + w.stage_off + static_cast<size_t>(jl) * c.T * w.row_bytes
-                                : lane_base + w.row(r, 0, c.T);
+    const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
+    char* const lane_rows = tr.RowSlot(jl, lane_base, 0);  // my [0..T) rows for lane's peer
     const int lane_sends = s_sends[jl];
-    const GinChunkGeometry geo{w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows};
     uint32_t gin_channels = 0;
     for (int t = gwarp; t < c.T; t += send_blocks * kWarps) {
       const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
@@ -699,37 +683,23 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
       SendToken<TIn, kCast>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r]);
       const unsigned remote = dest & ~(1u << r);
       if (remote == 0) continue;
-      const unsigned lsa = remote & ~p.gin_mask, gin = remote & p.gin_mask;
-      if (lsa != 0)
-        CountRowsDone(pos >= 0 && !gin_lane ? ChunkCounter(lane_base, r, pos / chunk) : nullptr, lsa);
-      if (gin != 0) {
-        const int gch = pos >= 0 && gin_lane ? pos / c.gin_rows : 0;
-        GinCountStaged(p, Op::kDispatch, geo, pos >= 0 && gin_lane ? ChunkCounter(my, jl, gch) : nullptr,
-                       static_cast<uint32_t>(min(c.gin_rows, lane_sends - gch * c.gin_rows)), gch, gin,
-                       gin_channels);
-      }
+      tr.RowsWritten(Op::kDispatch, remote, lane_base, jl, pos, lane_sends, gin_channels);
     }
-    GinFlushWarp(p, gin_channels);
+    tr.Flush(gin_channels);
   } else if (send_ok) {
     const int rwarp = gwarp - send_blocks * kWarps;
     const int nrw = gwarps - send_blocks * kWarps;
     int maxn = 0;
     for (int s = 0; s < R; ++s) if (s != r) maxn = max(maxn, s_prefix[s + 1] - s_prefix[s]);
     const unsigned long long t0 = globaltimer_ns();
+    const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
     bool alive = true;
     for (int pos = rwarp; pos < maxn && alive; pos += nrw) {
       for (int d = 1; d < R && alive; ++d) {
         const int s = (r - d + R) % R;  // the source that sends to us first, first
         const int n = s_prefix[s + 1] - s_prefix[s];
         if (pos >= n) continue;
-        if ((p.gin_mask >> s) & 1u) {
-          const int ch = pos / c.gin_rows;
-          alive = GinWaitSignalWarp(p, Op::kDispatch, GinSignalId(s, ch), GinExpected(p, s, ch, 1), s, t0);
-        } else {
-          const int ch = pos / chunk;
-          const uint32_t expected = static_cast<uint32_t>(min(chunk, n - ch * chunk));
-          alive = WaitChunk(p, ChunkCounter(my, s, ch), expected, Op::kDispatch, s, t0);
-        }
+        alive = tr.WaitRow(Op::kDispatch, s, pos, n, t0);
         if (alive && ok) RecvRow(c, w, p, io, scratch, s_prefix, s, pos);
       }
     }

@@ -615,6 +615,9 @@ bool IsFatalStatus(uint32_t code) {
     case Cause::kCapacityOverflow:
     case Cause::kBadIndex:
     case Cause::kStalePublication:
+    // The refusing rank stood in for this call's barriers (kernels/abort.h):
+    // the epochs are in step and it sent nothing.
+    case Cause::kPeerRefused:
       return false;
     case Cause::kPeerTimeout:
       // 0x80: the peer took part but failed its own checks (it reports why);
@@ -659,6 +662,11 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
                                : " did not arrive within " + std::to_string(timeout_s) + " s") +
              " (the communicator's barriers may now be out of step: close it and create a new "
              "one if later calls time out)";
+      break;
+    case Cause::kPeerRefused:
+      msg += "peer rank " + std::to_string(detail) +
+             " refused this call before running it (its own error says why); this call "
+             "stopped at once and returned zeros, and the communicator stays usable";
       break;
     case Cause::kBadIndex:
       msg += "index out of range: a row index outside [-1, V) in the Engram indices (those "

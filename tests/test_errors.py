@@ -274,3 +274,16 @@ def test_which_errors_refuse_the_next_op():
     assert not fatal(code(3, 3, 0x80 | 1))  # peer 1 failed this call
     assert fatal(code(3, 3, 1))             # peer 1 did not arrive
     assert fatal(code(5, 7))                # low-latency out of order
+    assert not fatal(code(3, 8, 1))         # peer 1 refused the call (stood in for its barriers)
+
+
+@pytest.mark.skipif(not __import__("jax_ep")._native.cuda_built(),
+                    reason="the status messages are the native module's")
+def test_a_peer_that_refused_is_named_and_not_a_timeout():
+    """The message of Cause::kPeerRefused (a peer whose handler refused
+    told this rank through its barrier flag) names the peer and says the
+    communicator stays usable, not that a peer never arrived."""
+    from jax_ep import _native
+    msg = _native.module().describe_status((3 << 16) | (8 << 8) | 1, 0, 0, 10.0)
+    assert "peer rank 1 refused this call" in msg and "stays usable" in msg, msg
+    assert "did not arrive" not in msg, msg

@@ -200,15 +200,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_one_process_per_gpu():
-    from conftest import ep_test_gpus
-    n = ep_test_gpus()
-    if len(jax.devices("cuda")) < n:
-        pytest.skip(f"needs {n} GPUs")
+def _run_one_process_per_gpu(worker_name: str, n: int) -> list[str]:
+    """Runs tests/<worker_name> as n processes, one GPU each (jax.distributed
+    on localhost); their outputs, asserting each exited 0."""
     port = _free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    worker = os.path.join(HERE, "gpu_multiprocess_worker.py")
+    worker = os.path.join(HERE, worker_name)
     procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(n)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(n)]
@@ -222,4 +220,31 @@ def test_one_process_per_gpu():
             if p.poll() is None:
                 p.kill()
     for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and "WORKER OK" in out, f"process {i}:\n{out[-4000:]}"
+        assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+    return outs
+
+
+def test_one_process_per_gpu():
+    from conftest import ep_test_gpus
+    n = ep_test_gpus()
+    if len(jax.devices("cuda")) < n:
+        pytest.skip(f"needs {n} GPUs")
+    outs = _run_one_process_per_gpu("gpu_multiprocess_worker.py", n)
+    for i, out in enumerate(outs):
+        assert "WORKER OK" in out, f"process {i}:\n{out[-4000:]}"
+
+
+def test_a_rank_whose_handler_refuses_makes_its_peers_fail_at_once_not_time_out():
+    """One process per GPU; the last one's dispatch needs more window than
+    there is, so its handler refuses: the others, already in the dispatch's
+    barrier, fail within 0.3 x timeout_s naming it (its refusal stands in
+    for its barriers: kernels/abort.h), and a valid dispatch then works on
+    every process (issue 15 item 2)."""
+    from conftest import ep_test_gpus
+    n = ep_test_gpus()
+    if n < 2 or len(jax.devices("cuda")) < n:
+        pytest.skip("needs 2 GPUs")
+    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n)
+    for i, out in enumerate(outs):
+        assert "REFUSAL OK" in out, f"process {i}:\n{out[-4000:]}"
+        print(f"process {i}:", [l for l in out.splitlines() if "REFUSAL OK" in l])

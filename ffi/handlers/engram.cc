@@ -146,6 +146,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
                                 ffi::Result<ffi::Buffer<ffi::S32>> token) {
   constexpr const char* kOp = "engram_publish";
   DeviceLease lease;
+  RefusalNotice notice(lease, stream, /*barriers=*/2);  // LaunchEngramPublish's
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
@@ -163,6 +164,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   if (cudaError_t err = LaunchEngramPublish(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_publish launch");
   }
+  notice.Launched();
   return EndCall(lease, stream);
 }
 
@@ -198,6 +200,7 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
                                     ffi::Result<ffi::AnyBuffer> rows) {
   constexpr const char* kOp = "engram_fetch";
   DeviceLease lease;
+  RefusalNotice notice(lease, stream, /*barriers=*/2);  // the publish's
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
@@ -227,6 +230,7 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch (publish) launch");
   }
+  notice.Launched();  // the fetch has no barrier
   if (cudaError_t err = LaunchEngramFetch(fa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }

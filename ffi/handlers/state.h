@@ -9,6 +9,7 @@
 #include <string>
 
 #include "comm.h"
+#include "kernels/abort.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
@@ -114,6 +115,33 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
   if (!msg.empty()) return ffi::Error::Internal(msg);
   return ffi::Error::Success();
 }
+
+// Declared right after an op's DeviceLease: if the op returns before
+// Launched() (refused by AcquireDevice after a fatal earlier error, a start
+// still pending, a bad argument on this rank, a failed launch) while its
+// device is known, its peers, which may already wait in the op's
+// `barriers` barriers, are told at once (kernels/abort.h) instead of
+// waiting out the timeout.
+class RefusalNotice {
+ public:
+  RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers)
+      : lease_(lease), stream_(stream), barriers_(barriers) {}
+  RefusalNotice(const RefusalNotice&) = delete;
+  RefusalNotice& operator=(const RefusalNotice&) = delete;
+  ~RefusalNotice() {
+    if (armed_ && lease_.dev != nullptr && lease_.dev->counters != nullptr) {
+      LaunchRefusedBarriers(lease_.dev->peers(), barriers_, stream_);  // best effort
+    }
+  }
+  // The op's kernels are enqueued: they take part in the barriers themselves.
+  void Launched() { armed_ = false; }
+
+ private:
+  const DeviceLease& lease_;
+  cudaStream_t stream_;
+  int barriers_;
+  bool armed_ = true;
+};
 
 // The part of every execute binding that is the same for all jax_ep targets:
 // stream, device ordinal, the shared state and the `comm_id` attribute, in

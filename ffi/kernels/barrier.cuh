@@ -41,7 +41,19 @@ __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
   for (int r = 0; r < p.nranks; ++r) {
     const bool gin = (p.gin_mask >> r) & 1u;
     const uint32_t sig = GinSignalId(r, kGinControlChannel);
-    while (gin ? !GinReached(GinReadSignal(p, op, sig), e) : ld_acquire_sys(mine + r) < e) {
+    for (;;) {
+      if (gin) {
+        if (GinReached(GinReadSignal(p, op, sig), e)) break;
+      } else {
+        const uint64_t v = ld_acquire_sys(mine + r);
+        if ((v & ~kBarrierRefusedBit) >= e) {
+          if (v & kBarrierRefusedBit) {
+            report_error(p, op, Cause::kPeerRefused, static_cast<uint32_t>(r));
+            return false;
+          }
+          break;
+        }
+      }
       if ((++polls & 255u) == 0u && has_error(p)) return false;
       if (globaltimer_ns() - t0 > p.timeout_ns) {
         report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(r));

@@ -31,7 +31,13 @@ enum class Op : uint32_t {
 enum class Cause : uint32_t {
   kNone = 0, kBadExpertId = 1, kCapacityOverflow = 2, kPeerTimeout = 3,
   kBadIndex = 4, kWindowTooSmall = 5, kStalePublication = 6, kOutOfOrder = 7,
+  kPeerRefused = 8,
 };
+
+// A barrier flag with this bit set: the rank that wrote it refused its call
+// before launching it and stands for every barrier up to the value in the
+// other bits (abort.h), so peers waiting there fail at once.
+constexpr unsigned long long kBarrierRefusedBit = 1ull << 63;
 
 // What a kernel knows about the communicator, passed by value.
 struct EpPeers {

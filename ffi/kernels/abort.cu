@@ -1,0 +1,27 @@
+// See abort.h.
+#include "abort.h"
+
+#include "barrier.cuh"
+
+namespace jax_ep {
+namespace {
+
+__global__ void RefusedBarriersKernel(const __grid_constant__ EpPeers p, int barriers) {
+  if (threadIdx.x != 0) return;
+  const uint64_t last = *p.epoch + static_cast<uint64_t>(barriers);
+  *p.epoch = last;
+  __threadfence_system();
+  for (int r = 0; r < p.nranks; ++r) {
+    if (!((p.gin_mask >> r) & 1u)) st_relaxed_sys(barrier_flags(p, r) + p.rank, last | kBarrierRefusedBit);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchRefusedBarriers(const EpPeers& p, int barriers, cudaStream_t stream) {
+  if (barriers <= 0 || p.nranks <= 1) return cudaSuccess;
+  RefusedBarriersKernel<<<1, 32, 0, stream>>>(p, barriers);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

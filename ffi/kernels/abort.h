@@ -1,0 +1,25 @@
+// A rank whose handler refuses a call after its peers may already be in the
+// call's barriers (an earlier fatal error, a start still pending, a bad
+// argument on this rank only) tells them so through their windows instead of
+// leaving them to wait out the timeout (docs/errors.md).
+//
+// The refusing rank stands in for the `barriers` barriers the call's kernels
+// pass when their first barrier fails (every op enters the same number
+// then), so the epochs stay in step: its epoch advances by `barriers`, and
+// its flag in every LSA peer's window becomes (its last epoch |
+// kBarrierRefusedBit). A peer waiting at any of those barriers sees the bit
+// and fails with Cause::kPeerRefused at once; at the next call's barrier the
+// flag is below the epoch waited for and the peer waits as usual. If every
+// rank refuses, every epoch advances alike and nobody waits. GIN peers
+// are not told (no flag store reaches them); they wait out the timeout.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+
+namespace jax_ep {
+
+cudaError_t LaunchRefusedBarriers(const EpPeers& p, int barriers, cudaStream_t stream);
+
+}  // namespace jax_ep

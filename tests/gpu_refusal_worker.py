@@ -1,0 +1,91 @@
+"""One process of the 2-process refusal test: python gpu_refusal_worker.py
+PORT PROCESS_ID NUM_PROCESSES. The last process asks for a dispatch its
+window cannot hold (its handler refuses); the others ask for a valid one and
+wait in its barrier. They must fail within a second, naming the refusing
+rank, not after timeout_s; then a valid dispatch on every process works.
+Prints 'REFUSAL OK fail_s=<float>' on success."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+TIMEOUT_S = 10.0
+
+
+def main() -> int:
+    port, pid, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
+                               process_id=pid, local_device_ids=[pid])
+    import gpu_helpers as h
+    import jax_ep
+    from jax_ep._checks import EpRuntimeError
+    from jax_ep._ffi_dispatch import window_bytes_needed
+    from jax_ep.comm import Communicator
+
+    devs = jax.devices()
+    R = len(devs)
+    mesh = Mesh(np.array(devs), (h.AXIS,))
+    H, K, E, T_ok = 1024, 4, 16, 256
+    nbytes = window_bytes_needed(num_ranks=R, tokens_per_rank=T_ok, hidden=H, topk=K, num_experts=E)
+    comm = Communicator.create(mesh, h.AXIS, nbytes, timeout_s=TIMEOUT_S)
+    refuser = pid == nproc - 1
+    rng = np.random.default_rng(11)
+
+    def call(T):
+        # Each process builds its own program: the refusing one with more
+        # tokens than the window holds (a configuration only it has).
+        x = (rng.standard_normal((R, T, H))).astype(jnp.bfloat16)
+        idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
+        f = h.per_rank_jit(mesh, lambda a, i: jax_ep.dispatch(a, i, None, num_experts=E,
+                                                              backend="cuda").recv_x)
+        return x, idx, f(h.put(mesh, x), h.put(mesh, idx))
+
+    t0 = time.perf_counter()
+    refused_here = waited = False
+    try:
+        _, _, out = call(8 * T_ok if refuser else T_ok)
+        jax.block_until_ready(out)
+    except jax.errors.JaxRuntimeError as e:
+        refused_here = "too small" in str(e) or "num_bytes" in str(e)
+        if not refused_here:
+            raise
+    fail_s = time.perf_counter() - t0
+    if not refuser:
+        try:
+            comm.check()
+        except EpRuntimeError as e:
+            waited = f"peer rank {nproc - 1} refused this call" in str(e)
+            if not waited:
+                raise
+    assert refused_here if refuser else waited, (refused_here, waited)
+    assert refuser or fail_s < 0.3 * TIMEOUT_S, f"waited {fail_s:.1f} s for the refusing peer"
+
+    # The communicator stays usable: a valid dispatch everywhere, bitwise the
+    # reference.
+    x, idx, got = call(T_ok)
+    want = h.per_rank_jit(mesh, lambda a, i: jax_ep.dispatch(a, i, None, num_experts=E,
+                                                             backend="reference").recv_x)(
+        h.put(mesh, x), h.put(mesh, idx))
+    for r, g in h.local_rows(got).items():
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8),
+                                      np.asarray(h.local_rows(want)[r]).view(np.uint8))
+    comm.check()
+    comm.close()
+    jax.distributed.shutdown()
+    print(f"REFUSAL OK fail_s={fail_s:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -121,7 +121,11 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
 // still pending, a bad argument on this rank, a failed launch) while its
 // device is known, its peers, which may already wait in the op's
 // `barriers` barriers, are told at once (kernels/abort.h) instead of
-// waiting out the timeout.
+// waiting out the timeout. Only when some ranks live in other processes:
+// one process runs the same program on all its devices, so they refuse
+// alike and nobody waits, and XLA need not run the other devices' part of
+// a program that failed on one (a stand-in for barriers a peer then never
+// entered would put the epochs out of step).
 class RefusalNotice {
  public:
   RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers)
@@ -129,7 +133,8 @@ class RefusalNotice {
   RefusalNotice(const RefusalNotice&) = delete;
   RefusalNotice& operator=(const RefusalNotice&) = delete;
   ~RefusalNotice() {
-    if (armed_ && lease_.dev != nullptr && lease_.dev->counters != nullptr) {
+    if (armed_ && lease_.dev != nullptr && lease_.dev->counters != nullptr &&
+        lease_.comm->devices.size() < static_cast<size_t>(lease_.dev->nranks)) {
       LaunchRefusedBarriers(lease_.dev->peers(), barriers_, stream_);  // best effort
     }
   }

@@ -10,8 +10,8 @@
 // kBarrierRefusedBit). A peer waiting at any of those barriers sees the bit
 // and fails with Cause::kPeerRefused at once; at the next call's barrier the
 // flag is below the epoch waited for and the peer waits as usual. If every
-// rank refuses, every epoch advances alike and nobody waits. Sent only to
-// peers in other processes (handlers/state.h RefusalNotice). GIN peers
+// rank refuses, every epoch advances alike and nobody waits. Only when some
+// ranks are in other processes (handlers/state.h RefusalNotice). GIN peers
 // are not told (no flag store reaches them); they wait out the timeout.
 #pragma once
 

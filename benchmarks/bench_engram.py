@@ -13,6 +13,8 @@ table (no -1: never time zeros). Measured in the same process run:
                   of the shard's bytes: the publish's bar is 0.8 x its rate
   reference       engram_fetch(backend="reference"): request/response
                   lax.all_to_all of ids and rows (the JAX-native baseline)
+  jax_ep_fetch_large  16384 x 32 rows per rank (64 MiB remote at EP2) on 8 ... 132
+                  CTAs (`sms`): the bandwidth case, against the copy engine
   copy_engine     bidirectional 256 MB cudaMemcpyPeerAsync (cupy), the ceiling
 
 Per rank: `nvlink_gbps` counts the bytes of the rows owned by the other rank
@@ -163,6 +165,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
       bench("jax_ep_fetch", dtype, smap(fetch_only),
             (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None,
             kernel="EngramFetchKernel")
+      if not fp8:
+        results += _large_fetch(shape, mesh, smap, token, cid, quick)
       bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
             (tab,), row_bytes, None, kernel="memcpy")  # its copy-engine copy
       # The publish's bar: a device-to-device cudaMemcpyAsync of the shard's
@@ -181,6 +185,43 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   finally:
     comm.close()
   return results
+
+
+LARGE_TOKENS, LARGE_ROWS = 16384, 32  # 524288 rows of 256 B per rank: 64 MiB remote at EP2
+LARGE_SMS = (8, 16, 24, 32, 64, 132)
+
+
+def _large_fetch(shape: Shape, mesh, smap, token, cid: int, quick: bool) -> list[dict]:
+  """The bandwidth case (issue 13): 16384 x 32 rows of bf16 D = 128 per rank
+  from the published table, half of them remote at EP2 (64 MiB over
+  NVLink), for each CTA count in LARGE_SMS; ratio_to_copy_engine is added
+  by the frame (measure_and_write), so the fewest CTAs reaching the bar show."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax_ep import _ffi_engram
+  from bench_normal import time_or_none
+
+  big = dataclasses.replace(shape, tokens=LARGE_TOKENS, rows_per_token=LARGE_ROWS)
+  idx_np = _indices(big)
+  idx = jax.device_put(idx_np, NamedSharding(mesh, P("ep")))
+  nv, lg, rows = _bytes(idx_np, big, shape.dim * 2)
+  out = []
+  for nsms in LARGE_SMS[-2:] if quick else LARGE_SMS:
+    f = smap(lambda tok, i, n=nsms: _ffi_engram.fetch_cuda(
+        tok, i, rows_per_rank=shape.rows_per_rank, dim=shape.dim, dtype=jnp.bfloat16,
+        comm_id=cid, num_sms=n))
+    t = time_or_none(f"engram_fetch/jax_ep_fetch_large/{nsms}", f, (token, idx), quick, max_iters=10)
+    if t is None:
+      continue
+    out.append(dict(bench="engram_fetch", impl="jax_ep_fetch_large", dtype="bf16",
+                    tokens_per_rank=LARGE_TOKENS, hidden=shape.dim, topk=LARGE_ROWS, experts=None,
+                    rows_per_rank=shape.rows_per_rank, ranks=shape.ranks, time_us=t * 1e6,
+                    nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
+                    mrows_per_s=rows / t / 1e6, sms=nsms))
+    print(f"  engram_fetch jax_ep_fetch_large bf16 {nsms:3d} CTAs {t * 1e6:10.1f} us "
+          f"{nv / t / 1e9:7.1f} GB/s over NVLink, {lg / t / 1e9:7.1f} GB/s logical", flush=True)
+  return out
 
 
 def _fmt(v, spec: str) -> str:

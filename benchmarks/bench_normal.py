@@ -224,22 +224,30 @@ def simple_args(doc: str, argv=None) -> argparse.Namespace:
   return ap.parse_args(argv)
 
 
+def _machine_and_ceiling(name: str) -> Optional[tuple[str, Optional[float], str]]:
+  """(machine, copy-engine GB/s per direction or None at EP1, its note) for
+  the JAX_EP_BENCH_RANKS GPUs, or None (said why) without them."""
+  ranks = Shape().ranks
+  gpus = require_two_gpus(name, need=min(ranks, 2))
+  if gpus is None:
+    return None
+  if ranks < 2:  # JAX_EP_BENCH_RANKS=1: launch and local-path figures, no link to measure
+    return _machine(gpus[:ranks]), None, "EP1: nothing crosses a link"
+  ce, ce_note = copy_engine_gbps(gpus[:2])
+  print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
+  return _machine(gpus[:ranks]), ce, ce_note
+
+
 def measure_and_write(name: str, json_name: str, run_fn: Callable[[], list[dict]],
                       out_dir: str) -> tuple[int, list[dict], Optional[str]]:
   """The frame of a two-GPU benchmark script: (exit status, records, JSON
   path). Exit 2 without 2 GPUs or the CUDA build, 1 when every
   implementation failed; else the copy-engine ceiling of the same run is
   added and the records are written."""
-  ranks = Shape().ranks
-  gpus = require_two_gpus(name, need=min(ranks, 2))
-  if gpus is None:
+  frame = _machine_and_ceiling(name)
+  if frame is None:
     return 2, [], None
-  machine = _machine(gpus[:ranks])
-  if ranks >= 2:
-    ce, ce_note = copy_engine_gbps(gpus[:2])
-    print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
-  else:  # JAX_EP_BENCH_RANKS=1: launch and local-path figures, no link to measure
-    ce, ce_note = None, "EP1: nothing crosses a link"
+  machine, ce, ce_note = frame
   records = run_fn()
   if not records:
     print(f"{name}: every implementation failed; nothing written", file=sys.stderr)
@@ -602,17 +610,10 @@ def main(argv=None) -> int:
                   help="write the JSON to --out only, not also to benchmarks/results")
   args = ap.parse_args(argv)
 
-  ranks = Shape().ranks
-  gpus = require_two_gpus("bench_normal", need=min(ranks, 2))
-  if gpus is None:
+  frame = _machine_and_ceiling("bench_normal")
+  if frame is None:
     return 2
-
-  machine = _machine(gpus[:ranks])
-  if ranks >= 2:
-    ce, ce_note = copy_engine_gbps(gpus[:2])
-    print(f"copy engine: {ce:.1f} GB/s per direction ({ce_note})", flush=True)
-  else:  # JAX_EP_BENCH_RANKS=1: launch and local-path figures, no link to measure
-    ce, ce_note = None, "EP1: nothing crosses a link"
+  machine, ce, ce_note = frame
   records: list[dict] = []
   if args.sweep:
     toks = [128 << i for i in range(8)]  # 128 .. 16384

@@ -105,3 +105,16 @@ def run_worker(worker: str, *, command_buffers: bool, env_extra: Optional[dict] 
                        timeout=timeout)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
     return r.stdout
+
+
+def init_one_process_per_gpu() -> tuple[int, int, Mesh]:
+    """In a worker started as `worker.py PORT PROCESS_ID NUM_PROCESSES`:
+    jax.distributed on localhost with this process's one GPU; returns
+    (process id, number of processes, the EP mesh over all processes' GPUs)."""
+    import sys
+    port, pid, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
+                               process_id=pid, local_device_ids=[pid])
+    devs = jax.devices()
+    assert len(devs) == nproc, devs
+    return pid, nproc, Mesh(np.array(devs), (AXIS,))

@@ -14,21 +14,15 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
 
 def main() -> int:
-    port, pid, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
-                               process_id=pid, local_device_ids=[pid])
     import gpu_helpers as h
+    pid, nproc, mesh = h.init_one_process_per_gpu()
     from jax_ep import _ffi
     from jax_ep.comm import Communicator
 
-    devs = jax.devices()
-    R = len(devs)
-    assert R == nproc, devs
-    mesh = Mesh(np.array(devs), (h.AXIS,))
+    R = nproc
     comm = Communicator.create(mesh, h.AXIS, 256 << 20, timeout_s=20.0)
     info = comm.info()
     assert len(info) == 1 and info[0]["rank"] == pid and info[0]["nranks"] == R, info

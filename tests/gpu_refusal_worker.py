@@ -18,24 +18,19 @@ import numpy as np  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
 TIMEOUT_S = 10.0
 
 
 def main() -> int:
-    port, pid, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
-                               process_id=pid, local_device_ids=[pid])
     import gpu_helpers as h
+    pid, nproc, mesh = h.init_one_process_per_gpu()
     import jax_ep
     from jax_ep._checks import EpRuntimeError
     from jax_ep._ffi_dispatch import window_bytes_needed
     from jax_ep.comm import Communicator
 
-    devs = jax.devices()
-    R = len(devs)
-    mesh = Mesh(np.array(devs), (h.AXIS,))
+    R = nproc
     H, K, E, T_ok = 1024, 4, 16, 256
     nbytes = window_bytes_needed(num_ranks=R, tokens_per_rank=T_ok, hidden=H, topk=K, num_experts=E)
     comm = Communicator.create(mesh, h.AXIS, nbytes, timeout_s=TIMEOUT_S)

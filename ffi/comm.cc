@@ -327,6 +327,35 @@ DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
   return nullptr;
 }
 
+namespace {
+// ": hidden 7168 here, 4096 on EP rank 1; ..." from the two records the
+// kernel left in this device's header (config_check.cuh); the kernel wrote
+// them before the status word, so they are complete once the word is seen.
+std::string ConfigMismatchDetail(const DeviceResources& dev, int peer) {
+  uint32_t rec[2][kOpConfigBytes / 4] = {};
+  if (dev.window_ptr == nullptr ||
+      cudaMemcpy(rec, static_cast<const char*>(dev.window_ptr) + kOpConfigReportOffset, sizeof(rec),
+                 cudaMemcpyDeviceToHost) != cudaSuccess) {
+    return " (the values could not be read back)";
+  }
+  const std::string there = " on EP rank " + std::to_string(peer);
+  if (rec[0][0] != rec[1][0] || rec[0][1] != rec[1][1]) {
+    return ": EP rank " + std::to_string(peer) + " is not in this op at this point (the ranks "
+           "called jax_ep ops in different orders)";
+  }
+  static const char* const kNames[kOpConfigFields] = {
+      "tokens per rank", "hidden", "topk", "num_experts",
+      "format (x bytes | fp8 << 8 | expert layout << 16 | ue8m0 << 24)", "capacity"};
+  std::string out;
+  for (int i = 0; i < kOpConfigFields; ++i) {
+    if (rec[0][2 + i] == rec[1][2 + i]) continue;
+    out += (out.empty() ? ": " : "; ") + std::string(kNames[i]) + " " + std::to_string(rec[0][2 + i]) +
+           " here, " + std::to_string(rec[1][2 + i]) + there;
+  }
+  return out;
+}
+}  // namespace
+
 std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   if (dev.status_host == nullptr) return "";
   // The device writes the word with system-scope atomics through the
@@ -336,7 +365,11 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   const uint32_t code = static_cast<uint32_t>(v);
   if (code == 0) return "";
   *word = 0;
-  return DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
+  std::string msg = DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
+  if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch) {
+    msg += ConfigMismatchDetail(dev, static_cast<int>(code & 0xffu));
+  }
+  return msg;
 }
 
 namespace {
@@ -616,8 +649,10 @@ bool IsFatalStatus(uint32_t code) {
     case Cause::kBadIndex:
     case Cause::kStalePublication:
     // The refusing rank stood in for this call's barriers (kernels/abort.h):
-    // the epochs are in step and it sent nothing.
+    // the epochs are in step and it sent nothing. A mismatch is found
+    // before any row moves, and both ranks pass both barriers.
     case Cause::kPeerRefused:
+    case Cause::kConfigMismatch:
       return false;
     case Cause::kPeerTimeout:
       // 0x80: the peer took part but failed its own checks (it reports why);
@@ -662,6 +697,11 @@ std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double t
                                : " did not arrive within " + std::to_string(timeout_s) + " s") +
              " (the communicator's barriers may now be out of step: close it and create a new "
              "one if later calls time out)";
+      break;
+    case Cause::kConfigMismatch:
+      msg += "EP rank " + std::to_string(detail) +
+             " called this op with another configuration (every rank must pass the same "
+             "shapes, dtypes and options); nothing was sent and the outputs are zeros";
       break;
     case Cause::kPeerRefused:
       msg += "peer rank " + std::to_string(detail) +

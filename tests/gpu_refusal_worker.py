@@ -1,8 +1,12 @@
-"""One process of the 2-process refusal test: python gpu_refusal_worker.py
-PORT PROCESS_ID NUM_PROCESSES. The last process asks for a dispatch its
-window cannot hold (its handler refuses); the others ask for a valid one and
-wait in its barrier. They must fail within a second, naming the refusing
-rank, not after timeout_s; then a valid dispatch on every process works.
+"""One process of the 2-process refusal tests: python gpu_refusal_worker.py
+PORT PROCESS_ID NUM_PROCESSES, with REFUSAL_MODE set to
+  refuse    the last process asks for a dispatch its window cannot hold (its
+            handler refuses); the others ask for a valid one and wait in its
+            barrier: they must fail within 0.3 x timeout_s naming it;
+  mismatch  the last process calls dispatch with another hidden size (both
+            fit the window): every process must report the mismatch naming
+            both values, before any row moves.
+Then a valid dispatch on every process works, bitwise the reference.
 Prints 'REFUSAL OK fail_s=<float>' on success."""
 from __future__ import annotations
 
@@ -34,37 +38,53 @@ def main() -> int:
     H, K, E, T_ok = 1024, 4, 16, 256
     nbytes = window_bytes_needed(num_ranks=R, tokens_per_rank=T_ok, hidden=H, topk=K, num_experts=E)
     comm = Communicator.create(mesh, h.AXIS, nbytes, timeout_s=TIMEOUT_S)
+    mode = os.environ.get("REFUSAL_MODE", "refuse")
     refuser = pid == nproc - 1
     rng = np.random.default_rng(11)
 
-    def call(T):
-        # Each process builds its own program: the refusing one with more
-        # tokens than the window holds (a configuration only it has).
-        x = (rng.standard_normal((R, T, H))).astype(jnp.bfloat16)
+    def call(T, hidden=H):
+        # Each process builds its own program: the last one with more tokens
+        # than the window holds, or another hidden size (a configuration
+        # only it has).
+        x = (rng.standard_normal((R, T, hidden))).astype(jnp.bfloat16)
         idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
         f = h.per_rank_jit(mesh, lambda a, i: jax_ep.dispatch(a, i, None, num_experts=E,
                                                               backend="cuda").recv_x)
         return x, idx, f(h.put(mesh, x), h.put(mesh, idx))
 
     t0 = time.perf_counter()
-    refused_here = waited = False
-    try:
-        _, _, out = call(8 * T_ok if refuser else T_ok)
+    if mode == "mismatch":
+        _, _, out = call(T_ok, hidden=H // 2 if refuser else H)
         jax.block_until_ready(out)
-    except jax.errors.JaxRuntimeError as e:
-        refused_here = "too small" in str(e) or "num_bytes" in str(e)
-        if not refused_here:
-            raise
-    fail_s = time.perf_counter() - t0
-    if not refuser:
+        fail_s = time.perf_counter() - t0
+        other = 0 if refuser else nproc - 1
+        mine, theirs = (H // 2, H) if refuser else (H, H // 2)
         try:
             comm.check()
+            raise AssertionError("a hidden size differing across ranks was not reported")
         except EpRuntimeError as e:
-            waited = f"peer rank {nproc - 1} refused this call" in str(e)
-            if not waited:
+            assert "another configuration" in str(e), e
+            assert f"hidden {mine} here, {theirs} on EP rank {other}" in str(e), e
+        assert not np.any(np.asarray(h.local_rows(out)[pid]).view(np.uint16)), "rows moved"
+    else:
+        refused_here = waited = False
+        try:
+            _, _, out = call(8 * T_ok if refuser else T_ok)
+            jax.block_until_ready(out)
+        except jax.errors.JaxRuntimeError as e:
+            refused_here = "too small" in str(e) or "num_bytes" in str(e)
+            if not refused_here:
                 raise
-    assert refused_here if refuser else waited, (refused_here, waited)
-    assert refuser or fail_s < 0.3 * TIMEOUT_S, f"waited {fail_s:.1f} s for the refusing peer"
+        fail_s = time.perf_counter() - t0
+        if not refuser:
+            try:
+                comm.check()
+            except EpRuntimeError as e:
+                waited = f"peer rank {nproc - 1} refused this call" in str(e)
+                if not waited:
+                    raise
+        assert refused_here if refuser else waited, (refused_here, waited)
+    assert fail_s < 0.3 * TIMEOUT_S, f"{fail_s:.1f} s to fail (timeout_s {TIMEOUT_S})"
 
     # The communicator stays usable: a valid dispatch everywhere, bitwise the
     # reference.

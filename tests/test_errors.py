@@ -275,6 +275,7 @@ def test_which_errors_refuse_the_next_op():
     assert fatal(code(3, 3, 1))             # peer 1 did not arrive
     assert fatal(code(5, 7))                # low-latency out of order
     assert not fatal(code(3, 8, 1))         # peer 1 refused the call (stood in for its barriers)
+    assert not fatal(code(3, 9, 1))         # peer 1 called with another configuration
 
 
 @pytest.mark.skipif(not __import__("jax_ep")._native.cuda_built(),
@@ -287,3 +288,5 @@ def test_a_peer_that_refused_is_named_and_not_a_timeout():
     msg = _native.module().describe_status((3 << 16) | (8 << 8) | 1, 0, 0, 10.0)
     assert "peer rank 1 refused this call" in msg and "stays usable" in msg, msg
     assert "did not arrive" not in msg, msg
+    msg = _native.module().describe_status((3 << 16) | (9 << 8) | 1, 0, 0, 10.0)
+    assert "dispatch" in msg and "EP rank 1 called this op with another configuration" in msg, msg

@@ -200,11 +200,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_one_process_per_gpu(worker_name: str, n: int) -> list[str]:
+def _run_one_process_per_gpu(worker_name: str, n: int, **env_extra) -> list[str]:
     """Runs tests/<worker_name> as n processes, one GPU each (jax.distributed
     on localhost); their outputs, asserting each exited 0."""
     port = _free_port()
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
+               **env_extra)
     env.pop("JAX_NUM_CPU_DEVICES", None)
     worker = os.path.join(HERE, worker_name)
     procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(n)], env=env,
@@ -244,7 +245,21 @@ def test_a_rank_whose_handler_refuses_makes_its_peers_fail_at_once_not_time_out(
     n = ep_test_gpus()
     if n < 2 or len(jax.devices("cuda")) < n:
         pytest.skip("needs 2 GPUs")
-    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n)
+    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n, REFUSAL_MODE="refuse")
     for i, out in enumerate(outs):
         assert "REFUSAL OK" in out, f"process {i}:\n{out[-4000:]}"
         print(f"process {i}:", [l for l in out.splitlines() if "REFUSAL OK" in l])
+
+
+def test_a_configuration_differing_across_ranks_is_reported_naming_both_values():
+    """One process per GPU; the last one calls dispatch with half the hidden
+    size (both fit the window): every rank reports the mismatch at once,
+    "hidden 1024 here, 512 on EP rank 1" (and the reverse), with zeros
+    out and no row moved; a matching dispatch then works (issue 15 item 3)."""
+    from conftest import ep_test_gpus
+    n = ep_test_gpus()
+    if n < 2 or len(jax.devices("cuda")) < n:
+        pytest.skip("needs 2 GPUs")
+    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n, REFUSAL_MODE="mismatch")
+    for i, out in enumerate(outs):
+        assert "REFUSAL OK" in out, f"process {i}:\n{out[-4000:]}"

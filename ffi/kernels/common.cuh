@@ -20,6 +20,12 @@ constexpr size_t kBarrierFlagsOffset = 0;  // uint64_t[kMaxRanks]
 // (gin.cuh), u64 per signal id, in the upper half of the header. A real GIN
 // keeps its signals inside NCCL, so nothing is written here then.
 constexpr size_t kGinEmuSignalsOffset = 2048;
+// The op this rank is in and what it was called with (config_check.cuh), and
+// on a mismatch the two records that differ, for the host's message.
+constexpr int kOpConfigFields = 6;
+constexpr size_t kOpConfigBytes = 8 + 4 * kOpConfigFields;
+constexpr size_t kOpConfigOffset = 1024;
+constexpr size_t kOpConfigReportOffset = kOpConfigOffset + 64;  // [mine, the peer's]
 
 // Status word: 0 = fine. Otherwise (op << 16) | (cause << 8) | detail.
 // The first error wins (atomicCAS from 0); the host reads it through
@@ -31,7 +37,7 @@ enum class Op : uint32_t {
 enum class Cause : uint32_t {
   kNone = 0, kBadExpertId = 1, kCapacityOverflow = 2, kPeerTimeout = 3,
   kBadIndex = 4, kWindowTooSmall = 5, kStalePublication = 6, kOutOfOrder = 7,
-  kPeerRefused = 8,
+  kPeerRefused = 8, kConfigMismatch = 9,
 };
 
 // A barrier flag with this bit set: the rank that wrote it refused its call

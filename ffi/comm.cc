@@ -127,10 +127,10 @@ void SetupOneDevice(DeviceResources& d) {
   CheckNccl(ncclMemAlloc(&d.window_ptr, d.window_bytes), "ncclMemAlloc", d.comm);
   // Zeroed header: barrier flags and epochs start at 0 on every rank.
   CheckCuda(cudaMemset(d.window_ptr, 0, d.window_bytes), "cudaMemset(window)", d.device_ordinal);
-  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), sizeof(unsigned long long),
+  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&d.status_host), kStatusBytes,
                           cudaHostAllocMapped | cudaHostAllocPortable),
             "cudaHostAlloc(status word)", d.device_ordinal);
-  *reinterpret_cast<volatile unsigned long long*>(d.status_host) = 0;
+  std::memset(d.status_host, 0, kStatusBytes);
   CheckCuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.status_dev), d.status_host, 0),
             "cudaHostGetDevicePointer(status word)", d.device_ordinal);
   CheckCuda(cudaMalloc(reinterpret_cast<void**>(&d.counters),
@@ -329,14 +329,16 @@ DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
 
 namespace {
 // ": hidden 7168 here, 4096 on EP rank 1; ..." from the two records the
-// kernel left in this device's header (config_check.cuh); the kernel wrote
-// them before the status word, so they are complete once the word is seen.
+// kernel left next to the status word (config_check.cuh); it wrote them
+// before the word, so they are complete once the word is seen.
 std::string ConfigMismatchDetail(const DeviceResources& dev, int peer) {
-  uint32_t rec[2][kOpConfigBytes / 4] = {};
-  if (dev.window_ptr == nullptr ||
-      cudaMemcpy(rec, static_cast<const char*>(dev.window_ptr) + kOpConfigReportOffset, sizeof(rec),
-                 cudaMemcpyDeviceToHost) != cudaSuccess) {
-    return " (the values could not be read back)";
+  constexpr size_t kWords = kOpConfigBytes / 4;  // per record: tag, op, fields
+  uint32_t rec[2][kWords] = {};
+  volatile uint32_t* src = reinterpret_cast<volatile uint32_t*>(
+      reinterpret_cast<char*>(dev.status_host) + kStatusReportOffset);
+  for (size_t i = 0; i < 2 * kWords; ++i) {
+    rec[i / kWords][i % kWords] = src[i];
+    src[i] = 0;
   }
   const std::string there = " on EP rank " + std::to_string(peer);
   if (rec[0][0] != rec[1][0] || rec[0][1] != rec[1][1]) {
@@ -345,7 +347,7 @@ std::string ConfigMismatchDetail(const DeviceResources& dev, int peer) {
   }
   static const char* const kNames[kOpConfigFields] = {
       "tokens per rank", "hidden", "topk", "num_experts",
-      "format (x bytes | fp8 << 8 | expert layout << 16 | ue8m0 << 24)", "capacity"};
+      "format (payload bytes | fp8 << 8 | expert layout << 16)"};
   std::string out;
   for (int i = 0; i < kOpConfigFields; ++i) {
     if (rec[0][2 + i] == rec[1][2 + i]) continue;

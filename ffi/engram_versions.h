@@ -27,23 +27,24 @@ namespace jax_ep {
 
 class EngramVersions {
  public:
-  // The slot of area [off, off + bytes), assigned at its first publish and
-  // kept for the communicator's life, or -1 when kEngramSlots distinct
-  // placements are taken. `clear` gets every other known area overlapping it.
+  // The slot of area [off, off + bytes) for a publish into it, or -1 when
+  // kEngramSlots distinct placements are taken. `clear` gets every other
+  // known area overlapping it.
   int Publish(size_t off, size_t bytes, EngramSlotMask* clear) {
     std::lock_guard<std::mutex> g(mu_);
     *clear = OverlappingLocked(off, off + bytes);
-    auto it = slots_.find({off, bytes});
-    int slot;
-    if (it != slots_.end()) {
-      slot = it->second;
-    } else {
-      if (next_ >= kEngramSlots) return -1;
-      slot = next_++;
-      slots_[{off, bytes}] = slot;
-    }
-    clear->Reset(slot);
+    const int slot = SlotLocked(off, bytes);
+    if (slot >= 0) clear->Reset(slot);
     return slot;
+  }
+
+  // The slot a fetch of area [off, off + bytes) checks its token against,
+  // or -1 (placements exhausted). Assigned here too if no publish has been
+  // seen yet: its word then reads 0 (stale) until one has run, also when a
+  // command buffer captured the fetch before any publish.
+  int Slot(size_t off, size_t bytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    return SlotLocked(off, bytes);
   }
 
   // The slots of the areas that overlap window bytes [begin, end): another
@@ -53,14 +54,17 @@ class EngramVersions {
     return OverlappingLocked(begin, end);
   }
 
-  // The slot of area [off, off + bytes), or -1 if it was never published.
-  int Find(size_t off, size_t bytes) const {
-    std::lock_guard<std::mutex> g(mu_);
+ private:
+  // Assigned at the area's first publish or fetch and kept for the
+  // communicator's life.
+  int SlotLocked(size_t off, size_t bytes) {
     auto it = slots_.find({off, bytes});
-    return it == slots_.end() ? -1 : it->second;
+    if (it != slots_.end()) return it->second;
+    if (next_ >= kEngramSlots) return -1;
+    slots_[{off, bytes}] = next_;
+    return next_++;
   }
 
- private:
   EngramSlotMask OverlappingLocked(size_t begin, size_t end) const {
     EngramSlotMask m;
     for (const auto& [area, slot] : slots_) {

@@ -54,10 +54,10 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
                            ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   const char* kOp = start ? "dispatch_start" : "dispatch";
   DeviceLease lease;
-  RefusalNotice notice(lease, stream, /*barriers=*/2);  // its kernels' barriers (kernels/dispatch.cu)
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
   }
+  RefusalNotice notice(lease, stream, /*barriers=*/2);  // its kernels' barriers (kernels/dispatch.cu)
   const EpPeers peers = lease.dev->peers();
   const int64_t R = peers.nranks;
   const auto xd = x.dimensions();
@@ -136,10 +136,10 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
       err.failure()) {
     return err;
   }
+  notice.Launched();
   if (cudaError_t err = LaunchDispatch(a, peers, s); err != cudaSuccess) {
     return CudaError(err, "dispatch launch");
   }
-  notice.Launched();
   if (start) return LeaveStream(*lease.dev, kOp);  // its done does the check
   return EndCall(lease, stream);
 }
@@ -154,10 +154,10 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
                           ffi::Result<ffi::AnyBuffer> out) {
   const char* kOp = start ? "combine_start" : "combine";
   DeviceLease lease;
-  RefusalNotice notice(lease, stream, /*barriers=*/1);  // its kernels' barriers (kernels/combine.cu)
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
   }
+  RefusalNotice notice(lease, stream, /*barriers=*/1);  // its kernels' barriers (kernels/combine.cu)
   const EpPeers peers = lease.dev->peers();
   const int64_t R = peers.nranks;
   const auto yd = y.dimensions();
@@ -206,10 +206,10 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
       err.failure()) {
     return err;
   }
+  notice.Launched();
   if (cudaError_t err = LaunchCombine(a, peers, s); err != cudaSuccess) {
     return CudaError(err, "combine launch");
   }
-  notice.Launched();
   if (start) return LeaveStream(*lease.dev, kOp);  // its done does the check
   return EndCall(lease, stream);
 }

@@ -146,10 +146,10 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
                                 ffi::Result<ffi::Buffer<ffi::S32>> token) {
   constexpr const char* kOp = "engram_publish";
   DeviceLease lease;
-  RefusalNotice notice(lease, stream, /*barriers=*/2);  // LaunchEngramPublish's
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
+  RefusalNotice notice(lease, stream, /*barriers=*/2);  // LaunchEngramPublish's
   // A publish writes the window; a pending start's kernels may be using it.
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (token->element_count() != 1) return Invalid(kOp, "token must be s32 [1]");
@@ -161,10 +161,10 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
     return err;
   }
   a.token = token->typed_data();
+  notice.Launched();
   if (cudaError_t err = LaunchEngramPublish(a, lease.dev->peers(), stream); err != cudaSuccess) {
     return CudaError(err, "engram_publish launch");
   }
-  notice.Launched();
   return EndCall(lease, stream);
 }
 
@@ -185,7 +185,7 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
     return err;
   }
   a.token = token.typed_data();
-  const int slot = lease.dev->engram_versions->Find(
+  const int slot = lease.dev->engram_versions->Slot(
       a.table_off, static_cast<size_t>(a.rows_per_rank) * a.row_bytes);
   a.version = slot < 0 ? nullptr : lease.dev->engram_words() + 1 + slot;
   if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream); err != cudaSuccess) {
@@ -200,10 +200,10 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
                                     ffi::Result<ffi::AnyBuffer> rows) {
   constexpr const char* kOp = "engram_fetch";
   DeviceLease lease;
-  RefusalNotice notice(lease, stream, /*barriers=*/2);  // the publish's
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
+  RefusalNotice notice(lease, stream, /*barriers=*/2);  // the publish's
   // A publish writes the window; a pending start's kernels may be using it.
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (rows->element_type() != table.element_type())
@@ -227,10 +227,10 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
     return err;
   }
   const EpPeers peers = lease.dev->peers();
+  notice.Launched();
   if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch (publish) launch");
   }
-  notice.Launched();  // the fetch has no barrier
   if (cudaError_t err = LaunchEngramFetch(fa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }

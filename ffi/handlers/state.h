@@ -116,16 +116,18 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
   return ffi::Error::Success();
 }
 
-// Declared right after an op's DeviceLease: if the op returns before
-// Launched() (refused by AcquireDevice after a fatal earlier error, a start
-// still pending, a bad argument on this rank, a failed launch) while its
-// device is known, its peers, which may already wait in the op's
-// `barriers` barriers, are told at once (kernels/abort.h) instead of
-// waiting out the timeout. Only when some ranks live in other processes:
-// one process runs the same program on all its devices, so they refuse
-// alike and nobody waits, and XLA need not run the other devices' part of
-// a program that failed on one (a stand-in for barriers a peer then never
-// entered would put the epochs out of step).
+// Declared right after an op's AcquireDevice succeeded: if the op returns
+// before Launched() (a bad argument on this rank, a start still pending), its
+// peers, which may already wait in the op's `barriers` barriers, are told at
+// once (kernels/abort.h) instead of waiting out the timeout. Only where
+// it is safe to stand in for those barriers: this process drives just this
+// rank (one process runs the same program on all its devices, so they refuse
+// alike, and XLA need not run the other devices' part of a failed program),
+// no peer is on GIN (whose barriers count signals the stand-in does not
+// send), no start is pending (its kernels share the epoch counter), and
+// AcquireDevice itself did not refuse (after a fatal error the epochs may
+// already be out of step). Launched() goes before the launches: once any
+// kernel of the op is enqueued it takes part in the barriers itself.
 class RefusalNotice {
  public:
   RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers)
@@ -133,12 +135,14 @@ class RefusalNotice {
   RefusalNotice(const RefusalNotice&) = delete;
   RefusalNotice& operator=(const RefusalNotice&) = delete;
   ~RefusalNotice() {
-    if (armed_ && lease_.dev != nullptr && lease_.dev->counters != nullptr &&
-        lease_.comm->devices.size() < static_cast<size_t>(lease_.dev->nranks)) {
-      LaunchRefusedBarriers(lease_.dev->peers(), barriers_, stream_);  // best effort
+    const DeviceResources* d = lease_.dev;
+    if (armed_ && d != nullptr && d->counters != nullptr && lease_.comm->devices.size() == 1 &&
+        d->nranks > 1 && d->gin_mask == 0 && d->side.pending == nullptr) {
+      LaunchRefusedBarriers(d->peers(), barriers_, stream_);  // best effort
     }
   }
-  // The op's kernels are enqueued: they take part in the barriers themselves.
+  // The op's kernels are about to be enqueued: they take part in the
+  // barriers themselves.
   void Launched() { armed_ = false; }
 
  private:

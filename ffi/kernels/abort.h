@@ -10,9 +10,14 @@
 // kBarrierRefusedBit). A peer waiting at any of those barriers sees the bit
 // and fails with Cause::kPeerRefused at once; at the next call's barrier the
 // flag is below the epoch waited for and the peer waits as usual. If every
-// rank refuses, every epoch advances alike and nobody waits. Only when some
-// ranks are in other processes (handlers/state.h RefusalNotice). GIN peers
-// are not told (no flag store reaches them); they wait out the timeout.
+// rank refuses, every epoch advances alike and nobody waits. Only where that
+// stand-in is safe (handlers/state.h RefusalNotice): one rank per process,
+// no GIN peer, no start pending, not a refusal after a fatal error.
+//
+// It covers the refused op only. A refusal ends the refusing rank's whole
+// program; in deferred mode a peer goes on to the program's next op with a
+// barrier and waits out the timeout there. In checked mode the peer's op
+// fails too, so its program stops where the refuser's did.
 #pragma once
 
 #include <cuda_runtime.h>

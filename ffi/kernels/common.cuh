@@ -20,12 +20,19 @@ constexpr size_t kBarrierFlagsOffset = 0;  // uint64_t[kMaxRanks]
 // (gin.cuh), u64 per signal id, in the upper half of the header. A real GIN
 // keeps its signals inside NCCL, so nothing is written here then.
 constexpr size_t kGinEmuSignalsOffset = 2048;
-// The op this rank is in and what it was called with (config_check.cuh), and
-// on a mismatch the two records that differ, for the host's message.
-constexpr int kOpConfigFields = 6;
+// The op this rank is in and what it was called with (config_check.cuh).
+constexpr int kOpConfigFields = 5;
 constexpr size_t kOpConfigBytes = 8 + 4 * kOpConfigFields;
 constexpr size_t kOpConfigOffset = 1024;
-constexpr size_t kOpConfigReportOffset = kOpConfigOffset + 64;  // [mine, the peer's]
+static_assert(kBarrierFlagsOffset + 8 * kMaxRanks <= kOpConfigOffset &&
+                  kOpConfigOffset + kOpConfigBytes <= kGinEmuSignalsOffset,
+              "the header's parts do not overlap");
+// The status allocation (mapped pinned host memory, EpPeers::status): the
+// u64 status word, then on a configuration mismatch the two records that
+// differ [mine, the peer's], which the host reads with plain loads (no CUDA
+// call in the error path, which may run during a stream capture).
+constexpr size_t kStatusReportOffset = 8;
+constexpr size_t kStatusBytes = kStatusReportOffset + 2 * kOpConfigBytes;
 
 // Status word: 0 = fine. Otherwise (op << 16) | (cause << 8) | detail.
 // The first error wins (atomicCAS from 0); the host reads it through

@@ -283,15 +283,16 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   if (tid == 32) s_err = has_error(p);
   if (tid == 0) {
     bool fail = scratch[DispatchScratch::kBadIds] != 0;
-    // What every rank must have called with (the window geometry and the
-    // rows follow from it), checked before any row moves.
+    // What every rank must have called with: what the window geometry and
+    // the received rows follow from (not the capacity, the receiver's own
+    // business, nor ue8m0, the sender's), checked before any row moves.
     OpConfig cfg;
     cfg.op = static_cast<uint32_t>(Op::kDispatch);
-    const uint32_t fmt = static_cast<uint32_t>(c.in_bytes) | (static_cast<uint32_t>(c.has_scales) << 8) |
-                         (static_cast<uint32_t>(c.expert) << 16) | (static_cast<uint32_t>(c.ue8m0) << 24);
+    const uint32_t elem = c.has_scales ? 1u : static_cast<uint32_t>(c.in_bytes);  // payload bytes
+    const uint32_t fmt = elem | (static_cast<uint32_t>(c.has_scales) << 8) |
+                         (static_cast<uint32_t>(c.expert) << 16);
     const uint32_t v[kOpConfigFields] = {static_cast<uint32_t>(c.T), static_cast<uint32_t>(c.H),
-                                         static_cast<uint32_t>(c.K), static_cast<uint32_t>(c.E),
-                                         fmt, static_cast<uint32_t>(c.C)};
+                                         static_cast<uint32_t>(c.K), static_cast<uint32_t>(c.E), fmt};
     for (int i = 0; i < kOpConfigFields; ++i) cfg.v[i] = v[i];
     PublishConfig(p, cfg);
     if (!rank_barrier(p, Op::kDispatch)) fail = true;

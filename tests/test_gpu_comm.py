@@ -235,31 +235,22 @@ def test_one_process_per_gpu():
         assert "WORKER OK" in out, f"process {i}:\n{out[-4000:]}"
 
 
-def test_a_rank_whose_handler_refuses_makes_its_peers_fail_at_once_not_time_out():
-    """One process per GPU; the last one's dispatch needs more window than
-    there is, so its handler refuses: the others, already in the dispatch's
-    barrier, fail within 0.3 x timeout_s naming it (its refusal stands in
-    for its barriers: kernels/abort.h), and a valid dispatch then works on
-    every process (issue 15 item 2)."""
+@pytest.mark.parametrize("mode", ["refuse", "mismatch"])
+def test_a_rank_that_refuses_or_differs_makes_its_peers_fail_at_once(mode):
+    """One process per GPU (tests/gpu_refusal_worker.py). "refuse": the last
+    one's dispatch needs more window than there is, so its handler refuses;
+    the others, already in the dispatch's barrier, fail within 0.3 x
+    timeout_s naming it (its refusal stands in for its barriers:
+    kernels/abort.h; issue 15 item 2). "mismatch": the last one calls
+    dispatch with half the hidden size (both fit the window); every rank
+    reports "hidden 1024 here, 512 on EP rank 1" (or the reverse) with zeros
+    out and no row moved (issue 15 item 3). Then a valid dispatch works on
+    every process."""
     from conftest import ep_test_gpus
     n = ep_test_gpus()
     if n < 2 or len(jax.devices("cuda")) < n:
         pytest.skip("needs 2 GPUs")
-    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n, REFUSAL_MODE="refuse")
+    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n, REFUSAL_MODE=mode)
     for i, out in enumerate(outs):
         assert "REFUSAL OK" in out, f"process {i}:\n{out[-4000:]}"
         print(f"process {i}:", [l for l in out.splitlines() if "REFUSAL OK" in l])
-
-
-def test_a_configuration_differing_across_ranks_is_reported_naming_both_values():
-    """One process per GPU; the last one calls dispatch with half the hidden
-    size (both fit the window): every rank reports the mismatch at once,
-    "hidden 1024 here, 512 on EP rank 1" (and the reverse), with zeros
-    out and no row moved; a matching dispatch then works (issue 15 item 3)."""
-    from conftest import ep_test_gpus
-    n = ep_test_gpus()
-    if n < 2 or len(jax.devices("cuda")) < n:
-        pytest.skip("needs 2 GPUs")
-    outs = _run_one_process_per_gpu("gpu_refusal_worker.py", n, REFUSAL_MODE="mismatch")
-    for i, out in enumerate(outs):
-        assert "REFUSAL OK" in out, f"process {i}:\n{out[-4000:]}"

@@ -366,6 +366,7 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   const unsigned long long v = *word;
   const uint32_t code = static_cast<uint32_t>(v);
   if (code == 0) return "";
+  if (IsLostPeerStatus(code)) MarkBroken();
   *word = 0;
   std::string msg = DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
   if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch) {
@@ -408,6 +409,38 @@ std::string CommResources::TakeStatusMessage() {
 
 CommResources::~CommResources() { Close(); }
 
+// Close() after a peer was lost: nothing collective. ncclCommAbort tears
+// down each communicator (its registrations and device communicator with
+// it) without waiting for the peers; then this process's own allocations.
+void CommResources::AbortAfterLostPeer() {
+  for (auto& d : devices) {
+    cudaSetDevice(d.device_ordinal);
+    if (d.comm != nullptr) WarnNccl(ncclCommAbort(d.comm), "ncclCommAbort");
+    d.comm = nullptr;
+    d.devcomm_created = false;
+    d.window = nullptr;
+  }
+  FreeLocal();
+}
+
+// This process's allocations of every device (after its NCCL objects are gone).
+void CommResources::FreeLocal() {
+  for (auto& d : devices) {
+    cudaSetDevice(d.device_ordinal);
+    if (d.window_ptr != nullptr) WarnNccl(ncclMemFree(d.window_ptr), "ncclMemFree");
+    if (d.status_host != nullptr) WarnCuda(cudaFreeHost(d.status_host), "cudaFreeHost");
+    if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
+    if (d.gin_dev != nullptr) WarnCuda(cudaFree(d.gin_dev), "cudaFree(GIN state)");
+    DestroySideLane(d.side);
+    d.gin_dev = nullptr;
+    d.window_ptr = nullptr;
+    d.status_host = nullptr;
+    d.status_dev = nullptr;
+    d.counters = nullptr;
+    for (auto& b : d.peer_base) b = nullptr;
+  }
+}
+
 void CommResources::Close() {
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_.exchange(true, std::memory_order_acq_rel)) return;
@@ -416,6 +449,11 @@ void CommResources::Close() {
   // (bounded by the timeout): let them finish before anything is freed.
   for (auto& d : devices) {
     if (cudaSetDevice(d.device_ordinal) == cudaSuccess) WarnCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (IsLostPeerStatus(PeekStatus(d))) MarkBroken();
+  }
+  if (broken_.load(std::memory_order_acquire)) {
+    AbortAfterLostPeer();
+    return;
   }
   // The NCCL calls below are collective over each group; one process driving
   // several ranks must issue them inside one group.
@@ -437,20 +475,7 @@ void CommResources::Close() {
     }
   }
   WarnNccl(ncclGroupEnd(), "ncclGroupEnd(ncclCommWindowDeregister)");
-  for (auto& d : devices) {
-    cudaSetDevice(d.device_ordinal);
-    if (d.window_ptr != nullptr) WarnNccl(ncclMemFree(d.window_ptr), "ncclMemFree");
-    if (d.status_host != nullptr) WarnCuda(cudaFreeHost(d.status_host), "cudaFreeHost");
-    if (d.counters != nullptr) WarnCuda(cudaFree(d.counters), "cudaFree");
-    if (d.gin_dev != nullptr) WarnCuda(cudaFree(d.gin_dev), "cudaFree(GIN state)");
-    DestroySideLane(d.side);
-    d.gin_dev = nullptr;
-    d.window_ptr = nullptr;
-    d.status_host = nullptr;
-    d.status_dev = nullptr;
-    d.counters = nullptr;
-    for (auto& b : d.peer_base) b = nullptr;
-  }
+  FreeLocal();
   ncclGroupStart();
   for (auto& d : devices) {
     if (d.comm != nullptr) {
@@ -641,6 +666,10 @@ std::shared_ptr<CommResources> LookupComm(int64_t comm_id) {
   std::lock_guard<std::mutex> lock(reg.mu);
   auto it = reg.comms.find(comm_id);
   return it == reg.comms.end() ? nullptr : it->second;
+}
+
+bool IsLostPeerStatus(uint32_t code) {
+  return static_cast<Cause>((code >> 8) & 0xffu) == Cause::kPeerTimeout && (code & 0x80u) == 0;
 }
 
 bool IsFatalStatus(uint32_t code) {

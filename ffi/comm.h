@@ -154,8 +154,14 @@ class CommResources {
   std::string TakeReport(DeviceResources& dev);
 
   // Releases all GPU/NCCL resources (collective over the group's ranks).
-  // Idempotent. Waits for work already enqueued on the devices.
+  // Idempotent. Waits for work already enqueued on the devices. After a
+  // peer that never arrived (IsLostPeerStatus on any local device, seen now
+  // or earlier) the collective teardown could wait forever for a rank that
+  // is gone: the NCCL communicators are aborted instead (ncclCommAbort,
+  // local) and only this process's memory is freed.
   void Close();
+  // A lost peer was seen on some device (IsLostPeerStatus): Close aborts.
+  void MarkBroken() { broken_.store(true, std::memory_order_release); }
   bool closed() const { return closed_.load(std::memory_order_acquire); }
 
   // Handlers hold this shared while they enqueue; Close() takes it exclusive,
@@ -170,7 +176,11 @@ class CommResources {
   std::vector<DeviceResources> devices;
 
  private:
+  void AbortAfterLostPeer();
+  void FreeLocal();
+
   std::atomic<bool> closed_{false};
+  std::atomic<bool> broken_{false};
   std::shared_mutex mu_;
 };
 
@@ -198,6 +208,9 @@ std::shared_ptr<CommResources> LookupComm(int64_t comm_id);
 // index, stale publication) the kernels left every shared word consistent,
 // so the next op runs, its peers do not wait for it, and then it reports.
 bool IsFatalStatus(uint32_t code);
+// A peer that did not arrive within the timeout (it may be gone): the
+// communicator is torn down without collective calls (CommResources::Close).
+bool IsLostPeerStatus(uint32_t code);
 // `call`: the number of the op that reported it on its device (0: unknown).
 std::string DescribeStatus(uint32_t code, int rank, int device_ordinal,
                            double timeout_s, unsigned long long call = 0);

@@ -5,9 +5,13 @@ PORT PROCESS_ID NUM_PROCESSES, with REFUSAL_MODE set to
             barrier: they must fail within 0.3 x timeout_s naming it;
   mismatch  the last process calls dispatch with another hidden size (both
             fit the window): every process must report the mismatch naming
-            both values, before any row moves.
-Then a valid dispatch on every process works, bitwise the reference.
-Prints 'REFUSAL OK fail_s=<float>' on success."""
+            both values, before any row moves;
+  kill      the last process exits in the middle of a loop of dispatches:
+            the others must raise within 2 x timeout_s and close() the
+            communicator within 60 s (no collective teardown with a rank
+            that is gone). Prints 'KILL OK raise_s=<float> close_s=<float>'.
+Otherwise a valid dispatch on every process then works, bitwise the
+reference. Prints 'REFUSAL OK fail_s=<float>' on success."""
 from __future__ import annotations
 
 import os
@@ -52,6 +56,8 @@ def main() -> int:
                                                               backend="cuda").recv_x)
         return x, idx, f(h.put(mesh, x), h.put(mesh, idx))
 
+    if mode == "kill":
+        return _kill(comm, call, T_ok, refuser)
     t0 = time.perf_counter()
     if mode == "mismatch":
         _, _, out = call(T_ok, hidden=H // 2 if refuser else H)
@@ -100,6 +106,34 @@ def main() -> int:
     jax.distributed.shutdown()
     print(f"REFUSAL OK fail_s={fail_s:.3f}", flush=True)
     return 0
+
+
+def _kill(comm, call, T, dies: bool) -> int:
+    x_idx_out = call(T)
+    jax.block_until_ready(x_idx_out[2])
+    t_fail = None
+    t0 = time.perf_counter()
+    for step in range(50):
+        if dies and step == 10:
+            os._exit(3)  # no teardown: as if the process were killed
+        if step == 10:
+            t_fail = time.perf_counter()
+        try:
+            jax.block_until_ready(call(T)[2])
+            comm.check()
+        except jax.errors.JaxRuntimeError as e:  # EpRuntimeError is one
+            assert "did not arrive" in str(e) or "refused" in str(e) or "was closed" in str(e), e
+            break
+    else:
+        raise AssertionError("50 dispatches with a dead peer and no error")
+    raise_s = time.perf_counter() - (t_fail or t0)
+    assert raise_s < 2 * TIMEOUT_S, f"{raise_s:.1f} s to raise (timeout_s {TIMEOUT_S})"
+    t1 = time.perf_counter()
+    comm.close()
+    close_s = time.perf_counter() - t1
+    assert close_s < 60, f"close() took {close_s:.1f} s"
+    print(f"KILL OK raise_s={raise_s:.3f} close_s={close_s:.3f}", flush=True)
+    os._exit(0)  # jax.distributed.shutdown would wait for the dead process
 
 
 if __name__ == "__main__":

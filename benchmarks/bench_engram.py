@@ -155,8 +155,9 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
       pub = jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))
       token = jax.block_until_ready(pub(tab))
 
-      def fetch_only(tok, i, *s, vl=shape.rows_per_rank, dt=tab.dtype):
-        rows = _ffi_engram.fetch_cuda(tok, i, rows_per_rank=vl, dim=d, dtype=dt, comm_id=cid)
+      def fetch_only(tok, i, *s, vl=shape.rows_per_rank, dt=tab.dtype, n=0):
+        rows = _ffi_engram.fetch_cuda(tok, i, rows_per_rank=vl, dim=d, dtype=dt, comm_id=cid,
+                                      num_sms=n)
         if not s:
           return rows
         sc = s[0]
@@ -166,6 +167,10 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
             (token, idx, scales_rep) if fp8 else (token, idx), row_bytes, None,
             kernel="EngramFetchKernel")
       if not fp8:
+        # The model's 64 CTAs leave some of the 96 a one-pass grid would take
+        # idle; whether all SMs shorten the small fetch:
+        bench("jax_ep_fetch_132sms", dtype, smap(functools.partial(fetch_only, n=132)),
+              (token, idx), row_bytes, 132, kernel="EngramFetchKernel")
         results += _large_fetch(shape, mesh, smap, token, cid, quick)
       bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
             (tab,), row_bytes, None, kernel="memcpy")  # its copy-engine copy

@@ -72,7 +72,8 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
                logical_gbps=lg / t / 1e9, sms=None, calls_per_step=chain)
     if kernel is not None:
       tr = bench_normal.trace_us(fn, args, kernel, shape.ranks)
-      rec.update(sms=ll_sms(shape), kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"])
+      rec.update(sms=ll_sms(shape), kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"],
+                 kernel_parts=tr["kernel_parts"])
     results.append(rec)
     extra = "" if kernel is None else (f"  kernel {rec['kernel_us']} us, {rec['chain_gap_us']} us "
                                        f"apart in the chain, {rec['sms']} SMs")

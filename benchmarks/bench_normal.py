@@ -180,11 +180,11 @@ def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> di
   time); `gap_us`, the median start-to-start gap of consecutive `kernel`
   events on one GPU inside a step (what a call costs in a long chain,
   launch gaps included, without the step's own launch, sync and the
-  returning of its outputs). None where the trace cannot be read or
-  `kernel` matches nothing."""
+  returning of its outputs); `kernel_parts`, kernel_us per distinct kernel
+  name. None where the trace cannot be read or `kernel` matches nothing."""
   import tempfile
   import jax
-  out = dict(kernel_us=None, gpu_us=None, gap_us=None)
+  out = dict(kernel_us=None, gpu_us=None, gap_us=None, kernel_parts=None)
   try:
     tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
     with jax.profiler.trace(tdir, create_perfetto_trace=True):
@@ -201,6 +201,11 @@ def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> di
     out["gpu_us"] = sum(e["dur"] for e in evs) / calls
   if mine:
     out["kernel_us"] = sum(e["dur"] for e in mine) / calls
+    # Per distinct kernel name (e.g. a split op's send and receive kernels).
+    parts: dict[str, float] = {}
+    for e in mine:
+      parts[e["name"][:160]] = parts.get(e["name"][:160], 0.0) + e["dur"] / calls
+    out["kernel_parts"] = parts
     starts = sorted(e["ts"] for e in mine)
     # Gaps between steps (the host's step overhead) are far longer than a
     # call: the median is a call's.

@@ -206,9 +206,11 @@ def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> di
     for e in mine:
       parts[e["name"][:160]] = parts.get(e["name"][:160], 0.0) + e["dur"] / calls
     out["kernel_parts"] = parts
-    starts = sorted(e["ts"] for e in mine)
-    # Gaps between steps (the host's step overhead) are far longer than a
-    # call: the median is a call's.
+    # Start-to-start of one kernel name (a split op launches two kernels
+    # per call: either one's period is the call's). Gaps between steps (the
+    # host's step overhead) are far longer than a call: the median is a call's.
+    first = min(mine, key=lambda e: e["ts"])["name"]
+    starts = sorted(e["ts"] for e in mine if e["name"] == first)
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     out["gap_us"] = statistics.median(gaps) if gaps else None
   return out

@@ -28,13 +28,13 @@ namespace jax_ep {
 class EngramVersions {
  public:
   // The slot of area [off, off + bytes) for a publish into it, or -1 when
-  // kEngramSlots distinct placements are taken. `clear` gets every other
-  // known area overlapping it.
+  // kEngramSlots distinct placements are taken. `clear` gets every known
+  // area overlapping it, its own included (no live publication there while
+  // the copy runs).
   int Publish(size_t off, size_t bytes, EngramSlotMask* clear) {
     std::lock_guard<std::mutex> g(mu_);
-    *clear = OverlappingLocked(off, off + bytes);
     const int slot = SlotLocked(off, bytes);
-    if (slot >= 0) clear->Reset(slot);
+    *clear = OverlappingLocked(off, off + bytes);
     return slot;
   }
 

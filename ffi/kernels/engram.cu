@@ -38,26 +38,31 @@ __device__ void FinishPublish(const EpPeers& p, const EngramPublishArgs& a) {
   if (a.token != nullptr) *a.token = static_cast<int32_t>(v);
 }
 
+// The version words of the slots in `m` to 0 (no live publication there).
+// All threads of the block.
+__device__ void ClearSlots(const EngramSlotMask& m, unsigned long long* versions) {
+  for (int s = threadIdx.x; s < kEngramSlots; s += blockDim.x) {
+    if ((m.bits[s / 64] >> (s % 64)) & 1u) versions[1 + s] = 0;
+  }
+}
+
 // Before the copy (!after_copy): the areas it overwrites, its own
 // included, have no live publication from now on, and no peer still reads
 // them (barrier). After the copy: FinishPublish.
 __global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p,
                                     const __grid_constant__ EngramPublishArgs a, bool after_copy) {
-  if (threadIdx.x != 0) return;
   if (after_copy) {
-    FinishPublish(p, a);
+    if (threadIdx.x == 0) FinishPublish(p, a);
     return;
   }
-  for (int s = 0; s < kEngramSlots; ++s) {
-    if (s == a.slot || ((a.clear.bits[s / 64] >> (s % 64)) & 1u)) a.versions[1 + s] = 0;
-  }
-  rank_barrier(p, Op::kEngramFetch);
+  ClearSlots(a.clear, a.versions);
+  __syncthreads();  // the clears before thread 0's fence in the barrier
+  if (threadIdx.x == 0) rank_barrier(p, Op::kEngramFetch);
 }
 
 __global__ void EngramClearKernel(const __grid_constant__ EngramSlotMask m,
                                   unsigned long long* versions) {
-  const int s = threadIdx.x;
-  if (s < kEngramSlots && ((m.bits[s / 64] >> (s % 64)) & 1u)) versions[1 + s] = 0;
+  ClearSlots(m, versions);
 }
 
 template <bool kVec>

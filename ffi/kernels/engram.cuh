@@ -21,7 +21,6 @@ constexpr int kEngramSlots = 256;
 struct EngramSlotMask {
   uint64_t bits[kEngramSlots / 64] = {};
   void Set(int s) { bits[s / 64] |= uint64_t{1} << (s % 64); }
-  void Reset(int s) { bits[s / 64] &= ~(uint64_t{1} << (s % 64)); }
   bool Any() const {
     for (uint64_t b : bits)
       if (b) return true;
@@ -36,7 +35,7 @@ struct EngramPublishArgs {
   int32_t* token = nullptr;     // [1]: the new version when the publish completed, 0 otherwise
   unsigned long long* versions = nullptr;  // the version words (above)
   int slot = 0;                 // EngramVersions::Publish of this area
-  EngramSlotMask clear;         // other areas this copy overwrites
+  EngramSlotMask clear;         // the areas this copy overwrites, its own included
 };
 
 struct EngramFetchArgs {

@@ -89,10 +89,6 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
         profile[f"jax_ep_fwd_{routing}"] = (f, a, flops, t)
 
 
-# Kept here under its old name (bench_moe and the CPU tests use it).
-gpu_kernel_events = bn.gpu_kernel_events
-
-
 GEMM_FAMILIES = (("GemmUniversal", "GemmUniversal"), ("PrepGroups", "PrepGroups"),
                  ("ZeroTailRows", "ZeroTailRows"), ("ZeroEmptyGroups", "ZeroEmptyGroups"),
                  ("RegroupScales", "RegroupScales"))
@@ -129,7 +125,7 @@ def _profile_records(rec, calls_of: dict, quick: bool) -> None:
       with jax.profiler.trace(tdir, create_perfetto_trace=True):
         bn._time_step(fn, args, iters=iters, repeats=repeats)
       # _time_step runs the step twice to warm up, then `repeats` times.
-      summ = kernel_summary(gpu_kernel_events(tdir), calls=iters * (2 + repeats))
+      summ = kernel_summary(bn.gpu_kernel_events(tdir), calls=iters * (2 + repeats))
     except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
       print(f"  profile {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue

@@ -481,7 +481,7 @@ def _profile_step(step, args, records: list[dict], quick: bool) -> None:
     tdir = tempfile.mkdtemp(prefix="jax_ep_moe_prof_")
     with jax.profiler.trace(tdir, create_perfetto_trace=True):
       bn._time_step(step, args, iters=iters, repeats=repeats)
-    summ = bg.kernel_summary(bg.gpu_kernel_events(tdir), calls=iters * (2 + repeats),
+    summ = bg.kernel_summary(bn.gpu_kernel_events(tdir), calls=iters * (2 + repeats),
                              families=STEP_FAMILIES)
   except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
     print(f"  profile: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -164,41 +164,42 @@ def load_trace(trace_dir: str) -> tuple[list[dict], dict]:
   return evs, names
 
 
-def gpu_kernel_events(trace_dir: str) -> list[dict]:
-  """Kernel and copy events (name, ts, dur in µs) on the GPU timelines of the
-  newest Perfetto trace that jax.profiler wrote under trace_dir."""
-  evs, names = load_trace(trace_dir)
+def _gpu_events(evs: list[dict], names: dict) -> list[dict]:
+  """Kernel and copy events (name, ts, dur in µs) on the GPU timelines."""
   gpu_pids = {pid for pid, name in names.items() if "GPU" in str(name)}
   return [dict(name=e.get("name", ""), ts=float(e["ts"]), dur=float(e["dur"])) for e in evs
           if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> dict:
-  """From a jax.profiler trace of `iters`-call steps, per call and per rank
-  (µs): `kernel_us`, the GPU time of the events whose name contains
-  `kernel`, any case (what DeepEP reports); `gpu_us`, of every GPU event (the busy
-  time); `gap_us`, the median start-to-start gap of consecutive `kernel`
-  events on one GPU inside a step (what a call costs in a long chain,
-  launch gaps included, without the step's own launch, sync and the
-  returning of its outputs); `kernel_parts`, kernel_us per distinct kernel
-  name. None where the trace cannot be read or `kernel` matches nothing."""
+def gpu_kernel_events(trace_dir: str) -> list[dict]:
+  """_gpu_events of the newest Perfetto trace jax.profiler wrote under trace_dir."""
+  return _gpu_events(*load_trace(trace_dir))
+
+
+def profile_step(fn, args, iters: int) -> tuple[list[dict], dict]:
+  """(trace events, process id -> name) of a jax.profiler trace of
+  _time_step(fn, args, iters, repeats=1), which runs its step three times
+  (two warm-ups, one timed)."""
   import tempfile
   import jax
+  tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
+  with jax.profiler.trace(tdir, create_perfetto_trace=True):
+    _time_step(fn, args, iters=iters, repeats=1)
+  return load_trace(tdir)
+
+
+def chain_times(gpu_evs: list[dict], kernel: Optional[str], calls: int) -> dict:
+  """Per call (µs), from the GPU events of `calls` calls: `kernel_us`, the
+  GPU time of the events whose name contains `kernel`, any case (None:
+  every event; what DeepEP reports); `gpu_us`, of every GPU event (the busy
+  time); `gap_us`, the median start-to-start gap of consecutive such events
+  of one name (what a call costs in a long chain, launch gaps included,
+  without the step's own launch, sync and the returning of its outputs);
+  `kernel_parts`, kernel_us per distinct name. None where nothing matches."""
   out = dict(kernel_us=None, gpu_us=None, gap_us=None, kernel_parts=None)
-  try:
-    tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
-    with jax.profiler.trace(tdir, create_perfetto_trace=True):
-      _time_step(fn, args, iters=iters, repeats=1)
-    evs = gpu_kernel_events(tdir)
-  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
-    print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return out
-  # _time_step runs its step three times here (two warm-ups, one timed);
-  # each rank's GPU runs every call once.
-  calls = 3 * iters * ranks
-  mine = [e for e in evs if kernel and kernel.lower() in e["name"].lower()]
-  if evs:
-    out["gpu_us"] = sum(e["dur"] for e in evs) / calls
+  mine = [e for e in gpu_evs if kernel is None or kernel.lower() in e["name"].lower()]
+  if gpu_evs:
+    out["gpu_us"] = sum(e["dur"] for e in gpu_evs) / calls
   if mine:
     out["kernel_us"] = sum(e["dur"] for e in mine) / calls
     # Per distinct kernel name (e.g. a split op's send and receive kernels).
@@ -216,11 +217,15 @@ def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> di
   return out
 
 
-def kernel_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 20) -> Optional[float]:
-  """GPU time per call and per rank (µs) of the events whose name contains
-  `kernel` (None: every event), from trace_us."""
-  t = trace_us(fn, args, kernel or "", ranks, iters)
-  return t["kernel_us"] if kernel else t["gpu_us"]
+def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> dict:
+  """chain_times per call and per rank of a profiled `iters`-call step (each
+  rank's GPU runs every call once); all None when the trace cannot be read."""
+  try:
+    evs, names = profile_step(fn, args, iters)
+  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+    print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return chain_times([], kernel, 1)
+  return chain_times(_gpu_events(evs, names), kernel, 3 * iters * ranks)
 
 
 def simple_args(doc: str, argv=None) -> argparse.Namespace:

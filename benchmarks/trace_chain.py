@@ -16,7 +16,7 @@ import json
 import os
 import statistics
 import sys
-import tempfile
+from typing import Optional
 
 import numpy as np
 
@@ -28,32 +28,23 @@ import bench_normal as bn  # noqa: E402
 ITERS = 50
 
 
-def _profile(fn, args, kernel: str) -> dict:
-  import jax
+def _profile(fn, args, kernel: Optional[str]) -> dict:
   wall = bn._time_step(fn, args, iters=ITERS, repeats=7)
   # The step's fixed cost drops out of the difference of two chain lengths;
   # what each returned output costs does not.
   slope = (bn._time_step(fn, args, iters=2 * ITERS, repeats=7) * 2 * ITERS - wall * ITERS) / ITERS
-  tdir = tempfile.mkdtemp(prefix="jax_ep_chain_")
-  with jax.profiler.trace(tdir, create_perfetto_trace=True):
-    bn._time_step(fn, args, iters=ITERS, repeats=1)
-  evs, names = bn.load_trace(tdir)
+  evs, names = bn.profile_step(fn, args, ITERS)
+  calls = 3 * ITERS  # profile_step's three steps
+  t = bn.chain_times(bn._gpu_events(evs, names), kernel, calls)
   gpu = {p for p, n in names.items() if "GPU" in str(n)}
-  dev = sorted((e for e in evs if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e),
-               key=lambda e: float(e["ts"]))
-  mine = [e for e in dev if kernel in e.get("name", "")]
-  starts = [float(e["ts"]) for e in mine]
-  gaps = [b - a for a, b in zip(starts, starts[1:]) if b - a < 1000.0]
   host: dict[str, list[float]] = {}
   for e in evs:
     if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e:
       host.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
-  calls = 3 * ITERS  # _time_step: two warm-ups and one timed step
   per_call = sorted(((n, len(d), statistics.mean(d)) for n, d in host.items()
                      if calls <= len(d) <= 4 * calls), key=lambda t: -t[2])[:12]
-  return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=sum(float(e["dur"]) for e in dev) / calls,
-              kernel_us=(sum(float(e["dur"]) for e in mine) / calls) if mine else None,
-              start_gap_us=statistics.median(gaps) if gaps else None,
+  return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
+              kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
               host_per_call=[dict(name=n[:80], count=c, mean_us=m) for n, c, m in per_call])
 
 
@@ -91,7 +82,7 @@ def main(argv=None) -> int:
     comm.check()
   x = jax.device_put(jnp.asarray(rng.standard_normal((T, E, D)), jnp.bfloat16),
                      NamedSharding(mesh, P("ep")))
-  out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), "")
+  out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), None)
   for k, r in out.items():
     print(f"{k}: wall {r['wall_us']:.1f} us/call ({r['slope_us']:.1f} per added call), GPU busy {r['gpu_busy_us']:.1f}, kernel "
           f"{r['kernel_us'] if r['kernel_us'] is None else round(r['kernel_us'], 1)}, start gap "

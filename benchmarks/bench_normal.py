@@ -455,19 +455,27 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   impls = impls or ["jax_ep", "reference", "jax_all_to_all", "jax_capacity_all_to_all",
                     "jax_ragged_all_to_all", "jax_ep_sms", "jax_ep_checked"]
 
-  def record(bench, impl, dtype, t, row_bytes, nsms=None):
+  def record(bench, impl, dtype, t, row_bytes, nsms=None, **extra):
     nv, lg = _bytes(idx_np, shape, row_bytes)
     results.append(dict(bench=bench, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
                         hidden=h, topk=shape.topk, experts=shape.experts, ranks=shape.ranks,
                         time_us=t * 1e6, nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
-                        sms=nsms))
+                        sms=nsms, **extra))
 
   def bench(name, impl, dtype, fn, args, row_bytes, nsms=None):
     t = time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick)
     if t is None:
       return
-    record(name, impl, dtype, t, row_bytes, nsms)
-    print(f"  {name:16s} {impl:24s} {dtype:5s} {t * 1e6:10.1f} us", flush=True)
+    extra = {}
+    if impl.startswith("jax_ep") and not quick:
+      # The profiler's view of one call (issue 12: kernel time per op, and
+      # which of prep / control / data kernels it goes to).
+      tr = trace_us(fn, args, None, shape.ranks, iters=10)
+      extra = dict(kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"], kernel_parts=tr["kernel_parts"])
+    record(name, impl, dtype, t, row_bytes, nsms, **extra)
+    parts = extra.get("kernel_parts") or {}
+    detail = "  ".join(f"{k.split('(')[0].split('<')[0][-28:]}={v:.1f}" for k, v in parts.items())
+    print(f"  {name:16s} {impl:24s} {dtype:5s} {t * 1e6:10.1f} us  {detail}", flush=True)
 
   bf16_row = h * 2
   fp8_row = h + (h // 128) * 4

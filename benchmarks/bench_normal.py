@@ -396,30 +396,48 @@ RAGGED_XLA_MODES = {
 }
 
 
+def _records_in_subprocess(shape: "Shape", impl: str, env_extra: dict,
+                           timeout_s: int = 300) -> tuple[list[dict], Optional[int], str]:
+  """(records of `impl`, return code, output tail) from this script run for
+  `impl` alone in a fresh process with `env_extra` in its environment (flags
+  and settings read once per process)."""
+  import tempfile
+  env = dict(os.environ, **env_extra)
+  with tempfile.TemporaryDirectory() as tmp:
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--tokens",
+           str(shape.tokens), "--impls", impl, "--no-ragged-modes", "--only-out"]
+    try:
+      res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+      rc, tail = res.returncode, (res.stdout + res.stderr)[-600:]
+    except subprocess.TimeoutExpired:
+      rc, tail = None, f"timed out after {timeout_s} s"
+    got = []
+    path = os.path.join(tmp, "normal.json")
+    if rc == 0 and os.path.exists(path):
+      with open(path) as fh:
+        got = [r for r in json.load(fh) if r.get("impl") == impl]
+  return got, rc, tail
+
+
+def register_copy(shape: "Shape") -> list[dict]:
+  """jax_ep's dispatch and combine with register copies instead of bulk
+  copies (JAX_EP_BULK=0, read once per process), as impl jax_ep_regcopy."""
+  got, rc, tail = _records_in_subprocess(shape, "jax_ep", {"JAX_EP_BULK": "0"})
+  if not got:
+    print(f"  jax_ep_regcopy: FAILED (rc {rc}): {tail[-300:]}", file=sys.stderr)
+  for r in got:
+    r.update(impl="jax_ep_regcopy", env="JAX_EP_BULK=0")
+  return got
+
+
 def ragged_modes(shape: "Shape", out_dir: str, timeout_s: int = 300) -> list[dict]:
   """sort + ragged_all_to_all under each RAGGED_XLA_MODES flag, each in a
   fresh process; a mode whose flag the plugin refuses gives a record with
   time_us None and its reason."""
-  import subprocess
-  import tempfile
   records = []
   for mode, flag in RAGGED_XLA_MODES.items():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
-    with tempfile.TemporaryDirectory() as tmp:
-      cmd = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--tokens",
-             str(shape.tokens), "--impls", "jax_ragged_all_to_all", "--no-ragged-modes",
-             "--only-out"]
-      try:
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        rc, tail = res.returncode, (res.stdout + res.stderr)[-600:]
-      except subprocess.TimeoutExpired:
-        rc, tail = None, f"timed out after {timeout_s} s"
-      got = []
-      path = os.path.join(tmp, "normal.json")
-      if rc == 0 and os.path.exists(path):
-        with open(path) as fh:
-          got = [r for r in json.load(fh) if r.get("impl") == "jax_ragged_all_to_all"]
+    xla = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    got, rc, tail = _records_in_subprocess(shape, "jax_ragged_all_to_all", {"XLA_FLAGS": xla}, timeout_s)
     for r in got:
       r.update(impl=f"jax_ragged_all_to_all[{mode}]", xla_flags=flag)
     if not got:
@@ -665,6 +683,8 @@ def main(argv=None) -> int:
     if args.impls:
       impls = args.impls.split(",")
     records += run(Shape(tokens=t), quick=args.quick, impls=impls)
+    if not args.quick and (impls is None or "jax_ep_regcopy" in impls):
+      records += register_copy(Shape(tokens=t))
     if not args.quick and not args.no_ragged_modes:
       records += ragged_modes(Shape(tokens=t), args.out)
   _finish(records, ce, ce_note, machine)

@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "bulk_copy.cuh"
 #include "ep_copy.cuh"
 #include "transport.cuh"
 #include "vec16.cuh"
@@ -28,7 +29,7 @@ namespace {
 
 // One block size for both roles of the data kernel: 32 warps, and the
 // reducer keeps kReduceUnroll vectors of two rows in flight so it stays
-// under 64 registers.
+// under 64 registers. With bulk copies (bulk_copy.cuh): kBulkWarps warps.
 constexpr int kThreads = 1024;
 constexpr int kReduceUnroll = 2;
 constexpr int kStartThreads = 1024;
@@ -109,13 +110,24 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
 }
 
 // y row `row` and its weight into the window row `dst_row` (a peer's slot,
-// or this rank's staging area for a GIN source). The caller counts it.
+// or this rank's staging area for a GIN source). The caller counts it
+// (kBulk: once the row's bulk group has written it).
+template <bool kBulk>
 __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const CombineWindow& w,
-                                               const CombineIO& io, char* dst_row, int row) {
+                                               const CombineIO& io, char* dst_row, int row,
+                                               BulkSlots& bulk) {
   const int lane = LaneId();
   const int nvec = static_cast<int>(w.payload_bytes / 16);
   if (lane == 0) *reinterpret_cast<float*>(dst_row + w.weight_off) = c.has_w ? io.weights[row] : 1.f;
   const char* yrow = static_cast<const char*>(io.y) + static_cast<size_t>(row) * w.payload_bytes;
+  if constexpr (kBulk) {
+    const uint32_t nb = static_cast<uint32_t>(w.payload_bytes);
+    const int slot = bulk.Load(yrow, nb);
+    bulk.Wait(slot);
+    bulk.Store(slot, dst_row, nb);
+    bulk.Commit();
+    return;
+  }
   const uint4* src = reinterpret_cast<const uint4*>(yrow);
   for (int base = 0; base < nvec; base += 32 * kUnroll) {
     uint4 v[kUnroll];
@@ -183,6 +195,58 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
   }
 }
 
+// ReduceRows through shared memory: the warp bulk-loads a piece of each of
+// the n rows into one slot while it sums the previous piece from the other
+// (same order and roundings as ReduceRows). `piece` bytes per row per slot
+// (a multiple of 16; n * piece fits a slot).
+template <typename TY, bool kHasW>
+__device__ __forceinline__ void ReduceRowsBulk(const CombineWindow& w, int n, const char* my_row,
+                                               float my_w, char* out, BulkSlots& bulk, uint32_t piece) {
+  constexpr int V = Vec16<TY>::N;
+  const int lane = LaneId();
+  const uint32_t row_bytes = static_cast<uint32_t>(w.payload_bytes);
+  const float init = n > 0 ? -0.f : 0.f;
+  if (n == 0) {
+    float zero[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) zero[e] = init;
+    for (uint32_t v = lane; v < row_bytes / 16; v += 32) StNa(reinterpret_cast<uint4*>(out) + v, Vec16<TY>::FromFloat(zero));
+    return;
+  }
+  FenceBeforeBulkRead();  // the rows' counts were acquired
+  auto issue = [&](uint32_t off) {
+    const uint32_t b = min(piece, row_bytes - off);
+    const int s = bulk.Begin(b * static_cast<uint32_t>(n));
+    for (int i = 0; i < n; ++i) bulk.LoadPart(s, i * b, ShflPtr(my_row, i) + off, b);
+    return s;
+  };
+  int s = issue(0);
+  for (uint32_t off = 0; off < row_bytes; off += piece) {
+    const uint32_t b = min(piece, row_bytes - off);
+    const int s_next = off + piece < row_bytes ? issue(off + piece) : -1;
+    bulk.Wait(s);
+    const char* rows = bulk.Slot(s);
+    const int nv = static_cast<int>(b / 16);
+    for (int base = 0; base < nv; base += 32) {
+      const int v = base + lane;
+      float acc[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[e] = init;
+      for (int i = 0; i < n; ++i) {
+        const float wi = __shfl_sync(kFullMask, my_w, i);
+        if (v < nv) {
+          float f[V];
+          Vec16<TY>::ToFloat(*reinterpret_cast<const uint4*>(rows + static_cast<size_t>(i) * b + 16 * v), f);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] = kHasW ? __fadd_rn(acc[e], __fmul_rn(wi, f[e])) : __fadd_rn(acc[e], f[e]);
+        }
+      }
+      if (v < nv) StNa(reinterpret_cast<uint4*>(out + off) + v, Vec16<TY>::FromFloat(acc));
+    }
+    s = s_next;
+  }
+}
+
 // One kernel, two roles (as dispatch's data kernel):
 //  - CTAs [0, S) send every y row that belongs to another rank's token (and,
 //    in expert layout, this rank's own too) into the source's window slot
@@ -193,9 +257,10 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
 //    order of docs/design.md §2 (ascending rank, then local expert, then k) with
 //    __fmul_rn / __fadd_rn, exactly jax_ep.reference.combine. In rank
 //    layout a token's own-rank row is read straight from y.
-template <typename TY, bool kHasW>
+template <typename TY, bool kHasW, int kThreads, bool kBulk>
 __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWindow& w, const EpPeers& p,
-                                            const CombineIO& io, int send_blocks) {
+                                            const CombineIO& io, int send_blocks, BulkSlots& bulk,
+                                            uint32_t piece) {
   __shared__ int s_prefix[kMaxRanks + 1];
   __shared__ int s_sent[kMaxRanks];       // rows my handle expects from rank j
   __shared__ int s_announced[kMaxRanks];  // rows rank j said it sends me
@@ -249,30 +314,69 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
     if (!c.expert) {
       int maxn = 0;
       for (int j = 0; j < R; ++j) if (j != r) maxn = max(maxn, s_prefix[j + 1] - s_prefix[j]);
+      // kBulk: a row is counted once its bulk group has written it, checked
+      // after the next row's stores are issued (two rows in flight).
+      int pend_j = -1, pend_pos = 0;
       for (int pos = sw; pos < maxn; pos += nsw) {
         for (int d = 1; d < R; ++d) {
           const int j = (r + d) % R;
           if (pos >= s_sends[j]) continue;
           char* const jbase = ShflPtr(lane_base, j);
-          SendCombineRow(c, w, io, tr.RowSlot(j, jbase, pos), s_prefix[j] + pos);
-          tr.RowWritten(Op::kCombine, j, jbase, pos, s_sends[j], gin_channels);
+          SendCombineRow<kBulk>(c, w, io, tr.RowSlot(j, jbase, pos), s_prefix[j] + pos, bulk);
+          if constexpr (kBulk) {
+            if (pend_j >= 0) {
+              bulk.WaitAllButNewest();
+              tr.RowWritten(Op::kCombine, pend_j, ShflPtr(lane_base, pend_j), pend_pos, s_sends[pend_j], gin_channels);
+            }
+            pend_j = j;
+            pend_pos = pos;
+          } else {
+            tr.RowWritten(Op::kCombine, j, jbase, pos, s_sends[j], gin_channels);
+          }
         }
+      }
+      if constexpr (kBulk) {
+        bulk.WaitAll();
+        if (pend_j >= 0)
+          tr.RowWritten(Op::kCombine, pend_j, ShflPtr(lane_base, pend_j), pend_pos, s_sends[pend_j], gin_channels);
       }
     } else {
       // A row for a GIN source goes alone (its slot [t][k] is next to other
       // ranks' slots), from this warp's own stage row, which it may only
       // overwrite once the previous put has read it (GinFlushWarp). The
       // stage area has R*T rows: at most that many warps send then.
+      // kBulk: an LSA row is counted after the next row's stores are
+      // issued, as above; a GIN row at once (its stage row is reused).
       if (tr.AnyGin()) nsw = min(nsw, R * c.T);
+      int pend_s = -1, pend_t = 0;
+      size_t pend_slot = 0;
+      const size_t staged = w.stage_off + static_cast<size_t>(sw) * w.row_bytes;
       for (int row = sw; sw < nsw && row < c.C; row += nsw) {
         const int s = io.src_rank[row];
         if (s < 0) continue;
         const int t = io.src_token[row], k = io.src_k[row];
         const size_t slot = w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
-        const size_t staged = w.stage_off + static_cast<size_t>(sw) * w.row_bytes;
         char* const sbase = ShflPtr(lane_base, s);
-        SendCombineRow(c, w, io, tr.BeginRowPut(s, sbase, slot, staged, gin_channels), row);
-        tr.EndRowPut(Op::kCombine, s, sbase, slot, staged, t, gin_channels);
+        SendCombineRow<kBulk>(c, w, io, tr.BeginRowPut(s, sbase, slot, staged, gin_channels), row, bulk);
+        if constexpr (kBulk) {
+          if (tr.Gin(s)) bulk.WaitAll();
+          else if (pend_s >= 0) bulk.WaitAllButNewest();
+          if (pend_s >= 0) tr.EndRowPut(Op::kCombine, pend_s, ShflPtr(lane_base, pend_s), pend_slot, staged, pend_t, gin_channels);
+          pend_s = -1;
+          if (tr.Gin(s)) {
+            tr.EndRowPut(Op::kCombine, s, sbase, slot, staged, t, gin_channels);
+          } else {
+            pend_s = s;
+            pend_t = t;
+            pend_slot = slot;
+          }
+        } else {
+          tr.EndRowPut(Op::kCombine, s, sbase, slot, staged, t, gin_channels);
+        }
+      }
+      if constexpr (kBulk) {
+        bulk.WaitAll();
+        if (pend_s >= 0) tr.EndRowPut(Op::kCombine, pend_s, ShflPtr(lane_base, pend_s), pend_slot, staged, pend_t, gin_channels);
       }
     }
     tr.Flush(gin_channels);
@@ -402,22 +506,50 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       if (kHasW && lane < n && alive) my_w = *reinterpret_cast<const float*>(my_row + w.weight_off);
     }
     uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes);
-    ReduceRows<TY, kHasW>(w, alive ? n : 0, my_row, my_w, out);
+    if constexpr (kBulk) ReduceRowsBulk<TY, kHasW>(w, alive ? n : 0, my_row, my_w, reinterpret_cast<char*>(out), bulk, piece);
+    else ReduceRows<TY, kHasW>(w, alive ? n : 0, my_row, my_w, out);
   }
 }
 
-template <typename TY, bool kHasW>
+// kBulk: kBulkSlots slots of `slot_bytes` per warp in dynamic shared memory;
+// the reducers read `piece` bytes of each row per slot.
+template <typename TY, bool kHasW, int kThreads, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, CombineWindow w,
                                                                   EpPeers p, CombineIO io,
-                                                                  int send_blocks) {
-  CombineData<TY, kHasW>(c, w, p, io, send_blocks);
+                                                                  int send_blocks, uint32_t slot_bytes,
+                                                                  uint32_t piece) {
+  static_assert(!kBulk || kThreads == kBulkWarps * 32, "one set of slots per warp");
+  __shared__ uint64_t s_bar[kBulk ? kBulkWarps * kBulkSlots : 1];
+  extern __shared__ __align__(128) char s_rows[];
+  const int wib = static_cast<int>(threadIdx.x >> 5);
+  BulkSlots bulk{s_rows + static_cast<size_t>(wib) * kBulkSlots * slot_bytes, s_bar + (kBulk ? wib * kBulkSlots : 0),
+                 slot_bytes, 0u, 0};
+  if constexpr (kBulk) bulk.Init();
+  CombineData<TY, kHasW, kThreads, kBulk>(c, w, p, io, send_blocks, bulk, piece);
+}
+
+template <bool kHasW, typename TY>
+cudaError_t LaunchBulk(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
+                       const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
+  const auto kernel = CombineDataKernel<TY, kHasW, kBulkWarps * 32, true>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
+  if (attr != cudaSuccess) return attr;
+  const size_t smem = static_cast<size_t>(kBulkWarps) * kBulkSlots * slot_bytes;
+  kernel<<<grid, kBulkWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes, piece);
+  return cudaSuccess;
 }
 
 template <typename TY>
-void LaunchData(int grid, int send_blocks, cudaStream_t stream, const CombineCfg& c,
-                const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  if (c.has_w) CombineDataKernel<TY, true><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks);
-  else CombineDataKernel<TY, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks);
+cudaError_t LaunchData(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
+                       const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
+  if (slot_bytes > 0) {
+    return c.has_w ? LaunchBulk<true, TY>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
+                   : LaunchBulk<false, TY>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
+  }
+  if (c.has_w) CombineDataKernel<TY, true, kThreads, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks, 0, 0);
+  else CombineDataKernel<TY, false, kThreads, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks, 0, 0);
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -460,17 +592,37 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
                a.recv_src_k, a.recv_counts, a.out};
 
   CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
+  // Bulk copies (bulk_copy.cuh) where a row fits a slot; a reducer's slot
+  // holds a piece of each of a token's (at most R, resp. K) rows, at least
+  // two pieces per row so that loading one overlaps summing the other.
+  // JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
+  const int max_rows = c.expert ? c.K : R;
+  uint32_t slot_bytes = 0, piece = 0;
+  if (BulkCopiesEnabled() && w.payload_bytes <= kBulkMaxRowBytes) {
+    slot_bytes = static_cast<uint32_t>(std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows)));
+    const uint32_t half = static_cast<uint32_t>((w.payload_bytes / 2 + 15) / 16 * 16);
+    piece = std::max<uint32_t>(16, std::min<uint32_t>(half, slot_bytes / max_rows / 16 * 16));
+  }
+  const int threads = slot_bytes > 0 ? kBulkWarps * 32 : kThreads;
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
-  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, kThreads / 32, R, 0.5, &send_blocks, &recv_blocks);
-  if (recv_blocks == 0) recv_blocks = std::max(1, send_blocks / 2);  // one rank: reducers only matter
-  const int grid = send_blocks + recv_blocks;
-  switch (a.y_dtype) {
-    case EpDtype::kBF16: LaunchData<__nv_bfloat16>(grid, send_blocks, stream, c, w, p, io); break;
-    case EpDtype::kF16: LaunchData<__half>(grid, send_blocks, stream, c, w, p, io); break;
-    default: LaunchData<float>(grid, send_blocks, stream, c, w, p, io); break;
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, &send_blocks, &recv_blocks);
+  if (R == 1) {
+    // One rank: rank layout has nothing to send (a token's one row is read
+    // straight from y), so every CTA reduces; expert layout still copies
+    // each row into its [t][k] slot first: a third of the CTAs do that.
+    const int total = send_blocks;
+    send_blocks = c.expert ? std::max(1, total / 3) : 0;
+    recv_blocks = std::max(1, total - send_blocks);
   }
-  return cudaGetLastError();
+  const int grid = send_blocks + recv_blocks;
+  cudaError_t err = cudaSuccess;
+  switch (a.y_dtype) {
+    case EpDtype::kBF16: err = LaunchData<__nv_bfloat16>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io); break;
+    case EpDtype::kF16: err = LaunchData<__half>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io); break;
+    default: err = LaunchData<float>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io); break;
+  }
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace jax_ep

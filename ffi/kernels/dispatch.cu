@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <string>
 
+#include "bulk_copy.cuh"
 #include "config_check.cuh"
 #include "ep_copy.cuh"
 #include "ep_kernels.h"
@@ -415,15 +416,22 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 // j as `pos`, and lane_rows = where row 0 of this rank's slot for rank j
 // is: rank j's window, or for a GIN peer the staging area), payload
 // cast to FP8 on the way if kCast. Returns with the stores possibly still
-// in flight.
-template <typename TIn, bool kCast>
+// in flight. kBulk: the payload goes through lane 0's bulk slots (one
+// group per token, bulk_copy.cuh) instead of registers.
+template <typename TIn, bool kCast, bool kBulk>
 __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWindow& w,
                                           const EpPeers& p, const PushIO& io, const int* scratch,
                                           const int* rie, int t, int pos, unsigned dest,
-                                          char* lane_rows, int local_prefix) {
+                                          char* lane_rows, int local_prefix, BulkSlots& bulk) {
+  static_assert(!(kBulk && kCast), "the cast needs the row in registers");
   const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
+  const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
+  const char* xrow = static_cast<const char*>(io.x) + t * in_row_bytes;
+  int slot = 0;
+  // The row's load is under way while the lanes place its metadata.
+  if constexpr (kBulk) slot = bulk.Load(xrow, static_cast<uint32_t>(in_row_bytes));
   const unsigned remote_mask = dest & ~(1u << r);
   const bool to_me = (dest >> r) & 1u;
   int id = -1, rv = -1;
@@ -485,9 +493,13 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
     io.src_k[local_row] = lane;
   }
 
-  const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
-  const char* xrow = static_cast<const char*>(io.x) + t * in_row_bytes;
-  {
+  if constexpr (kBulk) {
+    bulk.Wait(slot);
+    const uint32_t nb = static_cast<uint32_t>(in_row_bytes);
+    for (unsigned m = remote_mask; m; m &= m - 1) bulk.Store(slot, ShflPtr(lane_row, __ffs(m) - 1), nb);
+    for (unsigned m = out_mask; m; m &= m - 1) bulk.Store(slot, ShflPtr(lane_out_row, __ffs(m) - 1), nb);
+    bulk.Commit();
+  } else {
     const int nvec = static_cast<int>(in_row_bytes / 16);
     const uint4* xv = reinterpret_cast<const uint4*>(xrow);
     for (int base = 0; base < nvec; base += 32 * kUnroll) {
@@ -577,9 +589,11 @@ struct RowWriter {
 // Row p from source s (already complete in this rank's window) into the
 // outputs: rank layout row prefix[s] + p; expert layout one row per local
 // expert the token chose, at the sender's rie inside the (expert, s) block.
+// kBulk: the payload through lane 0's bulk slots, one group per row.
+template <bool kBulk>
 __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWindow& w,
                                         const EpPeers& p, const PushIO& io, const int* scratch,
-                                        const int* s_prefix, int s, int pos) {
+                                        const int* s_prefix, int s, int pos, BulkSlots& bulk) {
   const int R = p.nranks, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
@@ -589,13 +603,25 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   const int nvec = static_cast<int>(w.payload_bytes / 16);
   const int H128 = c.H / 128;
   const uint4* sv = reinterpret_cast<const uint4*>(src);
+  const uint32_t nb = static_cast<uint32_t>(w.payload_bytes);
+  int slot = 0;
+  if constexpr (kBulk) {
+    FenceBeforeBulkRead();  // the row's count was acquired (WaitRow)
+    slot = bulk.Load(src, nb);
+  }
   if (!c.expert) {
     const int row = s_prefix[s] + pos;
     uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
-    for (int base = 0; base < nvec; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
-      LoadChunk(sv, base, nvec, lane, v);
-      StoreChunk(dst, base, nvec, lane, v);
+    if constexpr (kBulk) {
+      bulk.Wait(slot);
+      bulk.Store(slot, dst, nb);
+      bulk.Commit();
+    } else {
+      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+        LoadChunk(sv, base, nvec, lane, v);
+        StoreChunk(dst, base, nvec, lane, v);
+      }
     }
     if (c.has_scales) {
       const float* ss = reinterpret_cast<const float*>(src + w.scales_off);
@@ -626,12 +652,21 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
     io.src_token[orow] = tok;
     io.src_k[orow] = lane;
   }
-  for (int base = 0; base < nvec; base += 32 * kUnroll) {
-    uint4 v[kUnroll];
-    LoadChunk(sv, base, nvec, lane, v);
+  if constexpr (kBulk) {
+    bulk.Wait(slot);
     for (unsigned m = omask; m; m &= m - 1) {
       const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
-      StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
+      bulk.Store(slot, recv_x + static_cast<size_t>(o) * w.payload_bytes, nb);
+    }
+    bulk.Commit();
+  } else {
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+      LoadChunk(sv, base, nvec, lane, v);
+      for (unsigned m = omask; m; m &= m - 1) {
+        const int o = __shfl_sync(kFullMask, orow, __ffs(m) - 1);
+        StoreChunk(reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(o) * w.payload_bytes), base, nvec, lane, v);
+      }
     }
   }
   if (c.has_scales) {
@@ -644,12 +679,17 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   }
 }
 
-template <typename TIn, bool kCast, int kThreads>
+// kBulk: rows move through shared memory by bulk copies (bulk_copy.cuh);
+// `slot_bytes` per slot, kBulkSlots slots per warp in dynamic shared memory.
+template <typename TIn, bool kCast, int kThreads, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c, DispatchWindow w,
                                                                    EpPeers p, PushIO io,
-                                                                   int send_blocks) {
+                                                                   int send_blocks, uint32_t slot_bytes) {
+  static_assert(!kBulk || kThreads == kBulkWarps * 32, "one set of slots per warp");
   __shared__ int s_prefix[kMaxRanks + 1];
   __shared__ int s_sends[kMaxRanks];  // rows this rank sends to rank j
+  __shared__ uint64_t s_bar[kBulk ? kBulkWarps * kBulkSlots : 1];
+  extern __shared__ __align__(128) char s_rows[];
   const int R = p.nranks, r = p.rank;
   const DispatchScratch sc(R, c.E);
   const int* scratch = ScratchOf(p, w);
@@ -665,6 +705,10 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   const int gwarps = static_cast<int>(gridDim.x) * kWarps;
   const RowWriter out{c, w, io, lane};
   const int chunk = ChunkRows(c.T);
+  const int wib = static_cast<int>(threadIdx.x >> 5);  // warp in block
+  BulkSlots bulk{s_rows + static_cast<size_t>(wib) * kBulkSlots * slot_bytes, s_bar + (kBulk ? wib * kBulkSlots : 0),
+                 slot_bytes, 0u, 0};
+  if constexpr (kBulk) bulk.Init();
 
   // Padding and tail rows are not data rows of anyone: fill them first.
   if (ok) {
@@ -689,16 +733,32 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     char* const lane_rows = tr.RowSlot(jl, lane_base, 0);  // my [0..T) rows for lane's peer
     const int lane_sends = s_sends[jl];
     uint32_t gin_channels = 0;
+    // kBulk: a token's rows are counted once its bulk group has written
+    // them, which is checked after the next token's stores are issued, so
+    // two tokens' stores stay in flight.
+    unsigned pend_remote = 0;
+    int pend_pos = -1;
     for (int t = gwarp; t < c.T; t += send_blocks * kWarps) {
       const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
       unsigned dest = __ballot_sync(kFullMask, pos >= 0);
       if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
       if (dest == 0) continue;
-      SendToken<TIn, kCast>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r]);
+      SendToken<TIn, kCast, kBulk>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r], bulk);
       const unsigned remote = dest & ~(1u << r);
-      if (remote == 0) continue;
-      tr.RowsWritten(Op::kDispatch, remote, lane_base, jl, pos, lane_sends, gin_channels);
+      if constexpr (kBulk) {
+        if (pend_remote != 0) {
+          bulk.WaitAllButNewest();
+          tr.RowsWritten(Op::kDispatch, pend_remote, lane_base, jl, pend_pos, lane_sends, gin_channels);
+        }
+        pend_remote = remote;
+        pend_pos = pos;
+      } else if (remote != 0) {
+        tr.RowsWritten(Op::kDispatch, remote, lane_base, jl, pos, lane_sends, gin_channels);
+      }
     }
+    if constexpr (kBulk) bulk.WaitAll();
+    if (kBulk && pend_remote != 0)
+      tr.RowsWritten(Op::kDispatch, pend_remote, lane_base, jl, pend_pos, lane_sends, gin_channels);
     tr.Flush(gin_channels);
   } else if (send_ok) {
     const int rwarp = gwarp - send_blocks * kWarps;
@@ -714,9 +774,10 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         const int n = s_prefix[s + 1] - s_prefix[s];
         if (pos >= n) continue;
         alive = tr.WaitRow(Op::kDispatch, s, pos, n, t0);
-        if (alive && ok) RecvRow(c, w, p, io, scratch, s_prefix, s, pos);
+        if (alive && ok) RecvRow<kBulk>(c, w, p, io, scratch, s_prefix, s, pos, bulk);
       }
     }
+    if constexpr (kBulk) bulk.WaitAll();
   }
 
   if (!ok) {
@@ -735,6 +796,14 @@ static int EnvInt(const char* name) {
   return env ? std::atoi(env) : 0;
 }
 
+bool BulkCopiesEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAX_EP_BULK");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
   static const int env_sms = EnvInt("JAX_EP_NUM_SMS");
   int cap = requested > 0 ? requested : env_sms;
@@ -750,6 +819,9 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     const double per_cta = warps_per_block * 32.0 * kUnroll * 16.0;
     double ctas = std::ceil(bytes_in_flight / per_cta);
     if (num_ranks > 1) ctas = std::ceil(ctas * num_ranks / (num_ranks - 1.0));
+    // One rank: no link to size for, the whole budget copies through HBM
+    // (at EP1, 14 CTAs left the local copy SM-bound: benchmarks/RESULTS.md).
+    if (num_ranks == 1) ctas = 24.0;
     cap = static_cast<int>(std::min(ctas, 24.0));
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
@@ -837,7 +909,11 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;
-  const int threads = cast ? kCastThreads : kDataThreads;
+  // Rows that fit a slot move by bulk copies (bulk_copy.cuh); the cast
+  // needs them in registers. JAX_EP_BULK=0 keeps the register copy.
+  const uint32_t slot_bytes = static_cast<uint32_t>(w.payload_bytes);  // a multiple of 16
+  const bool bulk = BulkCopiesEnabled() && !cast && w.payload_bytes <= kBulkMaxRowBytes;
+  const int threads = bulk ? kBulkWarps * 32 : cast ? kCastThreads : kDataThreads;
   int send_blocks = 0, recv_blocks = 0;
   // Receivers copy HBM to HBM what the link brings in: half of the CTAs
   // (measured: 12/12 of 24 beat 16/8 by 9 us at the Normal shape); a quarter
@@ -845,14 +921,21 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, &send_blocks,
                   &recv_blocks);
   const int grid = send_blocks + recv_blocks;
-  if (!cast) {
-    DispatchDataKernel<uint8_t, false, kDataThreads><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks);
+  if (bulk) {
+    const auto kernel = DispatchDataKernel<uint8_t, false, kBulkWarps * 32, true>;
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
+    if (attr != cudaSuccess) return attr;
+    const size_t smem = static_cast<size_t>(kBulkWarps) * kBulkSlots * slot_bytes;
+    kernel<<<grid, kBulkWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes);
+  } else if (!cast) {
+    DispatchDataKernel<uint8_t, false, kDataThreads, false><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
   } else if (a.x_dtype == EpDtype::kBF16) {
-    DispatchDataKernel<__nv_bfloat16, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<__nv_bfloat16, true, kCastThreads, false><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
   } else if (a.x_dtype == EpDtype::kF16) {
-    DispatchDataKernel<__half, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<__half, true, kCastThreads, false><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
   } else {
-    DispatchDataKernel<float, true, kCastThreads><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks);
+    DispatchDataKernel<float, true, kCastThreads, false><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
   }
   return cudaGetLastError();
 }

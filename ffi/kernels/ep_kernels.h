@@ -35,6 +35,10 @@ enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
 
 int EpDtypeBytes(EpDtype d);
+// Whether the normal dispatch / combine may move rows by bulk (TMA) copies
+// (kernels/bulk_copy.cuh); JAX_EP_BULK=0, read once per process, keeps the
+// register copies (debugging and comparison).
+bool BulkCopiesEnabled();
 
 struct DispatchArgs {
   // Inputs (this rank's tokens).

@@ -1,0 +1,147 @@
+// Bulk (TMA) row copies for the normal dispatch: one lane moves a whole row
+// global -> shared -> global, so a warp keeps up to two rows in flight without
+// holding them in registers (docs/design.md §6, "data path").
+//
+// Why: with register copies a warp has 2 KiB in flight (32 lanes x kUnroll
+// x 16 B) and spends its issue slots on 16-byte loads and stores per
+// destination; a bulk copy puts a whole 14 KiB row in flight per slot and
+// fans it out to every destination from shared memory with one instruction
+// each.
+//
+// Ordering (PTX memory model, async proxy): a bulk store's writes are
+// complete for the issuing thread after cp.async.bulk.wait_group; the
+// proxy fence then orders them before that thread's generic release (the
+// chunk count), so a peer that acquires the count sees the row. A receiver
+// that acquired a count fences the same way before its bulk load reads the
+// row.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace jax_ep {
+
+// Two row slots per warp, eight warps per CTA: at most this many bytes per
+// slot (H100/H200: 227 KiB of dynamic shared memory per CTA, 1 KiB kept for
+// the kernel's static shared memory).
+constexpr int kBulkWarps = 8;
+constexpr int kBulkSlots = 2;
+constexpr size_t kBulkSmemBytes = 227 * 1024 - 1024;
+constexpr size_t kBulkMaxRowBytes = kBulkSmemBytes / (kBulkWarps * kBulkSlots) / 16 * 16;
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One warp's slots: `buf` (kBulkSlots rows of `slot_bytes`), one mbarrier
+// per slot, the slots' phase bits and which slot is next. Warp-collective:
+// every lane calls every method with the same arguments (so every lane
+// keeps the same bookkeeping); lane 0 issues the copies.
+struct BulkSlots {
+  char* buf;
+  uint64_t* bar;
+  uint32_t slot_bytes;
+  uint32_t phases;  // bit s: parity the next wait on slot s expects
+  int next;         // the slot the next Begin takes
+
+  __device__ static bool Issuer() { return (threadIdx.x & 31) == 0; }
+  __device__ char* Slot(int s) const { return buf + static_cast<size_t>(s) * slot_bytes; }
+
+  __device__ void Init() {
+    if (Issuer()) {
+      for (int s = 0; s < kBulkSlots; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(bar + s)) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    phases = 0;
+    next = 0;
+    __syncwarp();
+  }
+
+  // Take the next slot for `bytes` of loads (LoadPart), once the bulk stores
+  // that last read it have read it and the lanes are done reading it.
+  __device__ int Begin(uint32_t bytes) {
+    const int s = next;
+    next = (next + 1) % kBulkSlots;
+    __syncwarp();
+    if (Issuer()) {
+      // Pending groups: the last kBulkSlots - 1 rows' and this slot's own
+      // (committed kBulkSlots rows ago).
+      asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kBulkSlots - 1) : "memory");
+      // Lanes may have read the slot with ordinary loads (combine's reduce).
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar + s)), "r"(bytes)
+                   : "memory");
+    }
+    return s;
+  }
+  // Load `bytes` from `src` to offset `off` of slot s (part of Begin's bytes).
+  __device__ void LoadPart(int s, uint32_t off, const void* src, uint32_t bytes) const {
+    if (Issuer())
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(SmemAddr(Slot(s) + off)), "l"(src), "r"(bytes), "r"(SmemAddr(bar + s))
+                   : "memory");
+  }
+  __device__ int Load(const void* src, uint32_t bytes) {
+    const int s = Begin(bytes);
+    LoadPart(s, 0, src, bytes);
+    return s;
+  }
+
+  // Wait until slot s holds what Begin announced (every lane then sees it).
+  __device__ void Wait(int s) {
+    const uint32_t b = SmemAddr(bar + s);
+    const uint32_t parity = (phases >> s) & 1u;
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(b), "r"(parity)
+          : "memory");
+    }
+    phases ^= 1u << s;
+  }
+
+  // Store slot s's first `bytes` to `dst` (16-byte aligned global memory:
+  // an output row or a peer's window row).
+  __device__ void Store(int s, void* dst, uint32_t bytes) const {
+    if (Issuer())
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                   "r"(SmemAddr(Slot(s))), "r"(bytes)
+                   : "memory");
+  }
+  // The stores of one row form a group (also when there are none, so that
+  // groups and slots stay in step).
+  __device__ void Commit() const {
+    if (Issuer()) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+
+  // Every group but the newest has written its rows, ordered before the
+  // issuing lane's later generic releases (CountRowsDone fences on lane 0).
+  __device__ void WaitAllButNewest() const {
+    if (Issuer()) {
+      asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __syncwarp();
+  }
+  // Every group has written its rows (and read its slot: before exit).
+  __device__ void WaitAll() const {
+    if (Issuer()) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __syncwarp();
+  }
+};
+
+// After acquiring a peer's count (generic proxy, lane 0 or the whole warp):
+// order the warp's next bulk loads of the rows it announced after that
+// acquire.
+__device__ __forceinline__ void FenceBeforeBulkRead() {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+}  // namespace jax_ep

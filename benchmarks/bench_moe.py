@@ -42,7 +42,7 @@ import functools
 import gc
 import os
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -352,7 +352,10 @@ def compare(shape: MoEShape, mesh, x, params, *, tol: float = 3e-2) -> dict:
 
 # ---------------------------------------------------------------- driver
 
-def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
+def run(shape: MoEShape, *, quick: bool, check: bool = True,
+        impls: Optional[list[str]] = None) -> list[dict]:
+  """Times every layer of `layers` (or only those in `impls`; with
+  "jax_ep_shared" in it, also the shared-expert overlap pair)."""
   import jax
   from jax.sharding import Mesh
   import jax_ep
@@ -378,7 +381,8 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: say so, time anyway
       print(f"  agreement check FAILED to run: {type(e).__name__}: {str(e)[:300]}", flush=True)
   steps = {impl: make_step(layer, mesh) for impl, layer in
-           layers(shape, shape.capacity_factor).items() if impl not in EXCLUDED}
+           layers(shape, shape.capacity_factor).items()
+           if impl not in EXCLUDED and (impls is None or impl in impls)}
   gemm_step, gemm_args = make_expert_gemm_step(shape, mesh, x, params)
   for impl, s in list(steps.items()):
     try:
@@ -414,7 +418,8 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True) -> list[dict]:
   # each; the shared-expert steps ran out of memory behind them on one H200.
   del steps, gemm_step, gemm_args
   gc.collect()
-  records += _overlap_records(shape, mesh, x, params, quick)
+  if impls is None or "jax_ep_shared" in impls:
+    records += _overlap_records(shape, mesh, x, params, quick)
   return records
 
 
@@ -505,7 +510,10 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="fewer iterations")
   ap.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096)")
   ap.add_argument("--sweep", action="store_true", help="tokens 512..4096, writes a PNG")
+  ap.add_argument("--impls", default=None,
+                  help="comma list of layers to time (jax_ep_shared: the overlap pair); default all")
   args = ap.parse_args(argv)
+  impls = args.impls.split(",") if args.impls else None
   try:
     import jax
     gpus = jax.devices("gpu")
@@ -518,7 +526,7 @@ def main(argv=None) -> int:
   sizes = [512, 1024, 2048, 4096] if args.sweep else [args.tokens or 4096]
   records = []
   for t in sizes:
-    records += run(MoEShape(tokens=t), quick=args.quick, check=(t == sizes[0]))
+    records += run(MoEShape(tokens=t), quick=args.quick, check=(t == sizes[0]), impls=impls)
   stamp = dict(machine=bn._machine(gpus), date=datetime.date.today().isoformat(),
                commit=bn._commit())
   for r in records:

@@ -29,9 +29,10 @@ namespace {
 
 // One block size for both roles of the data kernel: 32 warps, and the
 // reducer keeps kReduceUnroll vectors of two rows in flight so it stays
-// under 64 registers. With bulk copies (bulk_copy.cuh): kBulkWarps warps.
+// under 64 registers. With bulk copies (bulk_copy.cuh): BulkWarpsFor warps.
 constexpr int kThreads = 1024;
 constexpr int kReduceUnroll = 2;
+constexpr int kSmemUnroll = 4;  // the bulk reducer's vectors per lane per step
 constexpr int kStartThreads = 1024;
 
 struct CombineCfg {
@@ -227,21 +228,37 @@ __device__ __forceinline__ void ReduceRowsBulk(const CombineWindow& w, int n, co
     bulk.Wait(s);
     const char* rows = bulk.Slot(s);
     const int nv = static_cast<int>(b / 16);
-    for (int base = 0; base < nv; base += 32) {
-      const int v = base + lane;
-      float acc[V];
+    // kSmemUnroll vectors per lane at a time: independent loads and sums,
+    // so few warps still keep the SM busy (8 per CTA at BF16 H = 7168).
+    for (int base = 0; base < nv; base += 32 * kSmemUnroll) {
+      float acc[kSmemUnroll][V];
 #pragma unroll
-      for (int e = 0; e < V; ++e) acc[e] = init;
+      for (int u = 0; u < kSmemUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = init;
       for (int i = 0; i < n; ++i) {
         const float wi = __shfl_sync(kFullMask, my_w, i);
-        if (v < nv) {
-          float f[V];
-          Vec16<TY>::ToFloat(*reinterpret_cast<const uint4*>(rows + static_cast<size_t>(i) * b + 16 * v), f);
+        const uint4* ri = reinterpret_cast<const uint4*>(rows + static_cast<size_t>(i) * b);
+        uint4 x[kSmemUnroll];
 #pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] = kHasW ? __fadd_rn(acc[e], __fmul_rn(wi, f[e])) : __fadd_rn(acc[e], f[e]);
+        for (int u = 0; u < kSmemUnroll; ++u) {
+          const int v = base + u * 32 + lane;
+          x[u] = v < nv ? ri[v] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kSmemUnroll; ++u) {
+          float f[V];
+          Vec16<TY>::ToFloat(x[u], f);
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            acc[u][e] = kHasW ? __fadd_rn(acc[u][e], __fmul_rn(wi, f[e])) : __fadd_rn(acc[u][e], f[e]);
         }
       }
-      if (v < nv) StNa(reinterpret_cast<uint4*>(out + off) + v, Vec16<TY>::FromFloat(acc));
+#pragma unroll
+      for (int u = 0; u < kSmemUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < nv) StNa(reinterpret_cast<uint4*>(out + off) + v, Vec16<TY>::FromFloat(acc[u]));
+      }
     }
     s = s_next;
   }
@@ -518,8 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
                                                                   EpPeers p, CombineIO io,
                                                                   int send_blocks, uint32_t slot_bytes,
                                                                   uint32_t piece) {
-  static_assert(!kBulk || kThreads == kBulkWarps * 32, "one set of slots per warp");
-  __shared__ uint64_t s_bar[kBulk ? kBulkWarps * kBulkSlots : 1];
+  __shared__ uint64_t s_bar[kBulk ? kThreads / 32 * kBulkSlots : 1];
   extern __shared__ __align__(128) char s_rows[];
   const int wib = static_cast<int>(threadIdx.x >> 5);
   BulkSlots bulk{s_rows + static_cast<size_t>(wib) * kBulkSlots * slot_bytes, s_bar + (kBulk ? wib * kBulkSlots : 0),
@@ -528,24 +544,32 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   CombineData<TY, kHasW, kThreads, kBulk>(c, w, p, io, send_blocks, bulk, piece);
 }
 
-template <bool kHasW, typename TY>
+template <bool kHasW, typename TY, int kWarps>
 cudaError_t LaunchBulk(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
                        const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  const auto kernel = CombineDataKernel<TY, kHasW, kBulkWarps * 32, true>;
+  const auto kernel = CombineDataKernel<TY, kHasW, kWarps * 32, true>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
   if (attr != cudaSuccess) return attr;
-  const size_t smem = static_cast<size_t>(kBulkWarps) * kBulkSlots * slot_bytes;
-  kernel<<<grid, kBulkWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes, piece);
+  const size_t smem = static_cast<size_t>(kWarps) * kBulkSlots * slot_bytes;
+  kernel<<<grid, kWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes, piece);
   return cudaSuccess;
+}
+
+template <bool kHasW, typename TY>
+cudaError_t LaunchBulk(int warps, int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
+                       const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
+  return warps == kBulkMaxWarps ? LaunchBulk<kHasW, TY, kBulkMaxWarps>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
+                                : LaunchBulk<kHasW, TY, 8>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
 }
 
 template <typename TY>
 cudaError_t LaunchData(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
                        const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
   if (slot_bytes > 0) {
-    return c.has_w ? LaunchBulk<true, TY>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
-                   : LaunchBulk<false, TY>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
+    const int warps = BulkWarpsFor(slot_bytes);
+    return c.has_w ? LaunchBulk<true, TY>(warps, grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
+                   : LaunchBulk<false, TY>(warps, grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
   }
   if (c.has_w) CombineDataKernel<TY, true, kThreads, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks, 0, 0);
   else CombineDataKernel<TY, false, kThreads, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks, 0, 0);
@@ -598,12 +622,12 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   // JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
   const int max_rows = c.expert ? c.K : R;
   uint32_t slot_bytes = 0, piece = 0;
-  if (BulkCopiesEnabled() && w.payload_bytes <= kBulkMaxRowBytes) {
+  if (BulkCopiesEnabled() && BulkWarpsFor(std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows))) > 0) {
     slot_bytes = static_cast<uint32_t>(std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows)));
     const uint32_t half = static_cast<uint32_t>((w.payload_bytes / 2 + 15) / 16 * 16);
     piece = std::max<uint32_t>(16, std::min<uint32_t>(half, slot_bytes / max_rows / 16 * 16));
   }
-  const int threads = slot_bytes > 0 ? kBulkWarps * 32 : kThreads;
+  const int threads = slot_bytes > 0 ? BulkWarpsFor(slot_bytes) * 32 : kThreads;
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, &send_blocks, &recv_blocks);

@@ -685,10 +685,9 @@ template <typename TIn, bool kCast, int kThreads, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c, DispatchWindow w,
                                                                    EpPeers p, PushIO io,
                                                                    int send_blocks, uint32_t slot_bytes) {
-  static_assert(!kBulk || kThreads == kBulkWarps * 32, "one set of slots per warp");
   __shared__ int s_prefix[kMaxRanks + 1];
   __shared__ int s_sends[kMaxRanks];  // rows this rank sends to rank j
-  __shared__ uint64_t s_bar[kBulk ? kBulkWarps * kBulkSlots : 1];
+  __shared__ uint64_t s_bar[kBulk ? kThreads / 32 * kBulkSlots : 1];
   extern __shared__ __align__(128) char s_rows[];
   const int R = p.nranks, r = p.rank;
   const DispatchScratch sc(R, c.E);
@@ -912,8 +911,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   // Rows that fit a slot move by bulk copies (bulk_copy.cuh); the cast
   // needs them in registers. JAX_EP_BULK=0 keeps the register copy.
   const uint32_t slot_bytes = static_cast<uint32_t>(w.payload_bytes);  // a multiple of 16
-  const bool bulk = BulkCopiesEnabled() && !cast && w.payload_bytes <= kBulkMaxRowBytes;
-  const int threads = bulk ? kBulkWarps * 32 : cast ? kCastThreads : kDataThreads;
+  const int bulk_warps = BulkCopiesEnabled() && !cast ? BulkWarpsFor(slot_bytes) : 0;
+  const int threads = bulk_warps > 0 ? bulk_warps * 32 : cast ? kCastThreads : kDataThreads;
   int send_blocks = 0, recv_blocks = 0;
   // Receivers copy HBM to HBM what the link brings in: half of the CTAs
   // (measured: 12/12 of 24 beat 16/8 by 9 us at the Normal shape); a quarter
@@ -921,13 +920,17 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, &send_blocks,
                   &recv_blocks);
   const int grid = send_blocks + recv_blocks;
-  if (bulk) {
-    const auto kernel = DispatchDataKernel<uint8_t, false, kBulkWarps * 32, true>;
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
-    if (attr != cudaSuccess) return attr;
-    const size_t smem = static_cast<size_t>(kBulkWarps) * kBulkSlots * slot_bytes;
-    kernel<<<grid, kBulkWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes);
+  if (bulk_warps > 0) {
+    const auto kernel = bulk_warps == kBulkMaxWarps ? DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>
+                                                    : DispatchDataKernel<uint8_t, false, 8 * 32, true>;
+    static const cudaError_t attr16 = cudaFuncSetAttribute(DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>,
+        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
+    static const cudaError_t attr8 = cudaFuncSetAttribute(DispatchDataKernel<uint8_t, false, 8 * 32, true>,
+        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
+    if (attr16 != cudaSuccess) return attr16;
+    if (attr8 != cudaSuccess) return attr8;
+    const size_t smem = static_cast<size_t>(bulk_warps) * kBulkSlots * slot_bytes;
+    kernel<<<grid, threads, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes);
   } else if (!cast) {
     DispatchDataKernel<uint8_t, false, kDataThreads, false><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
   } else if (a.x_dtype == EpDtype::kBF16) {

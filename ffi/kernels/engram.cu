@@ -15,8 +15,8 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kFetchThreads = 512;
-constexpr int kFetchUnroll = 4;
+constexpr int kFetchThreads = 1024;
+constexpr int kFetchUnroll = 8;
 constexpr int kFetchMaxBlocks = 64;
 
 // After the copy: the barrier (every shard in place), then a new version,

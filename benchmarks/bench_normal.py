@@ -137,6 +137,13 @@ def _adaptive_iters(fn, args, quick: bool) -> tuple[int, int]:
   return (50, 7) if t < 2e-3 else (5, 5)
 
 
+def _kernel_label(name: str) -> str:
+  """'void ns::(anonymous namespace)::FooKernel<int, true>(args)' -> 'FooKernel<int, true>'."""
+  import re
+  m = re.search(r"(\w+)(<[^()]*>)?\(", name)
+  return (m.group(1) + (m.group(2) or "")) if m else name[:40]
+
+
 def time_or_none(label: str, fn, args, quick: bool, max_iters: Optional[int] = None) -> Optional[float]:
   """Seconds per call of `fn` (adaptive iterations), or None after printing
   why it failed: a failing implementation must not hide the others."""
@@ -492,7 +499,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
       extra = dict(kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"], kernel_parts=tr["kernel_parts"])
     record(name, impl, dtype, t, row_bytes, nsms, **extra)
     parts = extra.get("kernel_parts") or {}
-    detail = "  ".join(f"{k.split('(')[0].split('<')[0][-28:]}={v:.1f}" for k, v in parts.items())
+    detail = "  ".join(f"{_kernel_label(k)}={v:.1f}" for k, v in parts.items())
     print(f"  {name:16s} {impl:24s} {dtype:5s} {t * 1e6:10.1f} us  {detail}", flush=True)
 
   bf16_row = h * 2

@@ -16,8 +16,13 @@ namespace jax_ep {
 namespace {
 
 constexpr int kFetchThreads = 1024;
-constexpr int kFetchUnroll = 8;
 constexpr int kFetchMaxBlocks = 64;
+// Loads in flight per thread: 4 when the whole gather fits one pass of the
+// grid at 4 (a decode-size fetch: more CTAs, one load each), else 8 (a large
+// fetch: each CTA is latency-bound, so deeper is faster; measured at EP1,
+// benchmarks/RESULTS.md session 10).
+constexpr int kFetchUnrollSmall = 4;
+constexpr int kFetchUnrollLarge = 8;
 
 // After the copy: the barrier (every shard in place), then a new version,
 // drawn on the device so that a replayed command buffer draws a new one
@@ -65,7 +70,7 @@ __global__ void EngramClearKernel(const __grid_constant__ EngramSlotMask m,
   ClearSlots(m, versions);
 }
 
-template <bool kVec>
+template <bool kVec, int kFetchUnroll>
 // __grid_constant__: `p` is read in place (report_error takes it by
 // reference), not copied to a per-thread stack frame.
 __global__ void __launch_bounds__(kFetchThreads)
@@ -176,14 +181,18 @@ cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaSt
   const bool vec = a.row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.out) % 16) == 0 &&
                    a.table_off % 16 == 0;
   const uint64_t items = static_cast<uint64_t>(a.num_rows) * (vec ? a.row_bytes / 16 : a.row_bytes);
-  const uint64_t per_block = static_cast<uint64_t>(kFetchThreads) * (vec ? kFetchUnroll : 1);
   const int cap = a.num_sms > 0 ? a.num_sms : kFetchMaxBlocks;
+  const bool large = vec && items > static_cast<uint64_t>(cap) * kFetchThreads * kFetchUnrollSmall;
+  const uint64_t per_block =
+      static_cast<uint64_t>(kFetchThreads) * (!vec ? 1 : large ? kFetchUnrollLarge : kFetchUnrollSmall);
   const int blocks = static_cast<int>(std::max<uint64_t>(
       1, std::min<uint64_t>(static_cast<uint64_t>(cap), (items + per_block - 1) / per_block)));
-  if (vec) {
-    EngramFetchKernel<true><<<blocks, kFetchThreads, 0, stream>>>(a, p);
+  if (large) {
+    EngramFetchKernel<true, kFetchUnrollLarge><<<blocks, kFetchThreads, 0, stream>>>(a, p);
+  } else if (vec) {
+    EngramFetchKernel<true, kFetchUnrollSmall><<<blocks, kFetchThreads, 0, stream>>>(a, p);
   } else {
-    EngramFetchKernel<false><<<blocks, kFetchThreads, 0, stream>>>(a, p);
+    EngramFetchKernel<false, 1><<<blocks, kFetchThreads, 0, stream>>>(a, p);
   }
   return cudaGetLastError();
 }

@@ -141,6 +141,16 @@ __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const Combin
   }
 }
 
+// acc += w * v (kHasW) or acc += v, element by element, each product and
+// sum rounded on its own (never an FMA): the roundings of docs/design.md §2.
+template <typename TY, bool kHasW>
+__device__ __forceinline__ void AccumulateVec(float (&acc)[Vec16<TY>::N], const uint4& v, float w) {
+  float f[Vec16<TY>::N];
+  Vec16<TY>::ToFloat(v, f);
+#pragma unroll
+  for (int e = 0; e < Vec16<TY>::N; ++e) acc[e] = kHasW ? __fadd_rn(acc[e], __fmul_rn(w, f[e])) : __fadd_rn(acc[e], f[e]);
+}
+
 // Sum the n rows listed by lanes 0..n-1 (lane i: row pointer and weight) in
 // list order, in f32 with separate roundings, into out. Two rows are loaded
 // before either is added, so each step has twice the loads in flight.
@@ -175,17 +185,8 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        float f[V];
-        Vec16<TY>::ToFloat(v0[u], f);
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          acc[u][e] = kHasW ? __fadd_rn(acc[u][e], __fmul_rn(w0, f[e])) : __fadd_rn(acc[u][e], f[e]);
-        if (two) {
-          Vec16<TY>::ToFloat(v1[u], f);
-#pragma unroll
-          for (int e = 0; e < V; ++e)
-            acc[u][e] = kHasW ? __fadd_rn(acc[u][e], __fmul_rn(w1, f[e])) : __fadd_rn(acc[u][e], f[e]);
-        }
+        AccumulateVec<TY, kHasW>(acc[u], v0[u], w0);
+        if (two) AccumulateVec<TY, kHasW>(acc[u], v1[u], w1);
       }
     }
 #pragma unroll
@@ -246,13 +247,7 @@ __device__ __forceinline__ void ReduceRowsBulk(const CombineWindow& w, int n, co
           x[u] = v < nv ? ri[v] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < kSmemUnroll; ++u) {
-          float f[V];
-          Vec16<TY>::ToFloat(x[u], f);
-#pragma unroll
-          for (int e = 0; e < V; ++e)
-            acc[u][e] = kHasW ? __fadd_rn(acc[u][e], __fmul_rn(wi, f[e])) : __fadd_rn(acc[u][e], f[e]);
-        }
+        for (int u = 0; u < kSmemUnroll; ++u) AccumulateVec<TY, kHasW>(acc[u], x[u], wi);
       }
 #pragma unroll
       for (int u = 0; u < kSmemUnroll; ++u) {

@@ -23,7 +23,10 @@
 #   when the machine has no cutlass_library (the GPU machine is offline).
 #
 # $OUT receives at most 8 files: summary.txt, junit.xml, logs.tar.gz,
-# bench.tar.gz and up to 4 benchmark JSON files. Exit status is non-zero if
+# bench.tar.gz and the benchmark JSON files (copied as each benchmark ends).
+# The device call's limit counts the machine's start and the build (~85 s
+# on a cold machine): keep an outer `timeout` ~120 s under that limit, or a
+# SIGKILL leaves only what was copied so far. Exit status is non-zero if
 # the build, the version check, any test or any benchmark failed.
 set -u -o pipefail
 
@@ -209,8 +212,12 @@ for b in benchmarks/bench_*.py; do
   extra_var="GPU_CHECK_ARGS_$name"
   read -r -a extra <<<"${!extra_var:-}"
   echo "-- [+$(( $(date +%s) - T0 ))s] $name ${extra[*]}" | tee -a "$LOGS/steps.log"
-  timeout 900 "$PY" "$b" --out "$BENCH" "${extra[@]}" >"$LOGS/$name.log" 2>&1
-  rc=$?
+  # Live on stdout too, and each JSON into $OUT as soon as it exists: a run
+  # killed at the device call's limit (SIGKILL: no trap, no packing) still
+  # returns what finished (session 10, run 4 lost bench_engram's figures).
+  timeout 900 "$PY" "$b" --out "$BENCH" "${extra[@]}" 2>&1 | tee "$LOGS/$name.log"
+  rc=${PIPESTATUS[0]}
+  for j in "$BENCH"/*.json; do [ -e "$j" ] && cp "$j" "$OUT/"; done
   if [ $rc -eq 2 ]; then
     bench_skipped="$bench_skipped $name"; tail -2 "$LOGS/$name.log"
   elif [ $rc -ne 0 ]; then

@@ -143,19 +143,22 @@ void SetupOneDevice(DeviceResources& d) {
 static_assert(kEngramVersionCounter - kGinSnapshotCounter == kGinSignalCount,
               "one snapshot counter per GIN signal");
 
-// JAX_EP_TRANSPORT, read at every create so a test can flip it in-process.
+// The transport choice: Communicator.create(transport=...), or where that
+// is not given (""), JAX_EP_TRANSPORT (debugging), read at every create so a
+// test can flip it in-process.
 struct TransportEnv {
   bool force_gin = false;
   bool emulate_gin = false;
 };
-TransportEnv TransportFromEnv() {
-  const char* raw = std::getenv("JAX_EP_TRANSPORT");
-  std::string v = raw == nullptr ? "" : raw;
+TransportEnv TransportFrom(const std::string& choice) {
+  const char* env = std::getenv("JAX_EP_TRANSPORT");
+  const std::string raw = !choice.empty() ? choice : env == nullptr ? "" : env;
+  std::string v = raw;
   for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v.empty() || v == "auto") return {};
   if (v == "gin") return {true, false};
   if (v == "gin_emulated") return {true, true};
-  Fail("JAX_EP_TRANSPORT=" + std::string(raw) +
+  Fail(std::string(choice.empty() ? "JAX_EP_TRANSPORT=" : "transport=") + raw +
        " is not understood: use 'auto' (the default: NVLink inside NCCL's LSA team, GIN "
        "beyond it), 'gin' (every remote peer over GIN, to test that path) or 'gin_emulated' "
        "(every remote peer through the GIN code path, carried over NVLink, to test it "
@@ -494,9 +497,9 @@ void CommResources::Close() {
 }
 
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s,
-                   bool checked) {
+                   bool checked, const std::string& transport_choice) {
   CheckVersion();
-  const TransportEnv transport = TransportFromEnv();
+  const TransportEnv transport = TransportFrom(transport_choice);
   if (groups.empty()) Fail("comm_create needs at least one EP group");
   if (!(timeout_s > 0)) Fail("timeout_s must be > 0");
   if (num_bytes <= kWindowHeaderBytes) {
@@ -816,14 +819,16 @@ std::string NoTransportMessage(const TransportInputs& in, int peer, const std::s
                     std::to_string(in.device_ordinal) + ") to EP rank " + std::to_string(peer) +
                     ": ";
   if (in.emulate_gin) {
-    msg += "JAX_EP_TRANSPORT=gin_emulated carries GIN over NVLink, and this peer is outside "
+    msg += "transport 'gin_emulated' (Communicator.create(transport=...) or "
+           "JAX_EP_TRANSPORT=gin_emulated) carries GIN over NVLink, and this peer is outside "
            "NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) + " (" +
            std::to_string(lsa_size) + " of " + std::to_string(n) + " ranks are in it). " +
-           gin_why + ". Unset JAX_EP_TRANSPORT (or set it to 'auto').";
+           gin_why + ". Use transport='auto' (and unset JAX_EP_TRANSPORT).";
     return msg;
   }
   if (in.force_gin && in_lsa) {
-    msg += "JAX_EP_TRANSPORT=gin puts every remote peer on GIN, although this one is in NCCL's "
+    msg += "transport 'gin' (Communicator.create(transport=...) or JAX_EP_TRANSPORT=gin) puts "
+           "every remote peer on GIN, although this one is in NCCL's "
            "LSA (NVLink load/store) team";
   } else {
     msg += "it is outside NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) +
@@ -833,7 +838,7 @@ std::string NoTransportMessage(const TransportInputs& in, int peer, const std::s
   msg += ", so it must be reached by GIN (GPU-initiated RDMA through a network card), but " +
          gin_why + ". ";
   if (in.force_gin) {
-    msg += "Unset JAX_EP_TRANSPORT (or set it to 'auto') to reach LSA peers over NVLink.";
+    msg += "Use transport='auto' (and unset JAX_EP_TRANSPORT) to reach LSA peers over NVLink.";
   } else {
     msg += "Put the EP axis on GPUs of one NVLink domain, or run where every host has a "
            "GIN-capable NIC, with jax_ep built against the NCCL (>= 2.28.7) that JAX loads.";

@@ -194,8 +194,10 @@ struct GroupSpec {
 };
 
 // Throws std::runtime_error with a message naming the failing call/peer.
+// `transport`: "auto", "gin" or "gin_emulated" (docs/design.md §3); ""
+// takes JAX_EP_TRANSPORT (debugging), else "auto".
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes,
-                   double timeout_s, bool checked = false);
+                   double timeout_s, bool checked = false, const std::string& transport = "");
 // Closes and unregisters; unknown ids are ignored (close() is idempotent).
 void DestroyComm(int64_t comm_id);
 // nullptr when unknown or already destroyed.

@@ -33,6 +33,7 @@ _HEADER_BYTES = _native.WINDOW_HEADER_BYTES
 MIN_NUM_BYTES = _GRANULE
 DEFAULT_NUM_BYTES = 1 << 30
 MAX_RANKS = 8
+TRANSPORTS = ("auto", "gin", "gin_emulated")  # Communicator.create(transport=...)
 
 _registry_lock = threading.Lock()
 _defaults: dict[str, "Communicator"] = {}
@@ -149,7 +150,7 @@ class Communicator:
   @classmethod
   def create(cls, mesh: Mesh, axis_name: str = "ep", num_bytes: Optional[int] = None, *,
              timeout_s: float = 10.0, checked: bool = False,
-             replace: bool = False) -> "Communicator":
+             replace: bool = False, transport: Optional[str] = None) -> "Communicator":
     """Creates the communicators for every EP group of `mesh` along
     `axis_name` that has a device in this process, and makes the result the
     one the ops of `axis_name` use (`current(axis_name)`).
@@ -170,7 +171,15 @@ class Communicator:
       replace: an open Communicator on `axis_name` is an error (ops would
         otherwise switch to the new one silently); replace=True closes it
         first (collective, like `close()`).
+      transport: how peers are reached (docs/design.md §3): "auto" (NVLink
+        load/store inside NCCL's LSA team, GIN RDMA beyond it), "gin" (every
+        remote peer over GIN, to test that path; needs a NIC) or
+        "gin_emulated" (the GIN code path carried over NVLink, to test it on
+        one host). None: the JAX_EP_TRANSPORT environment variable if set
+        (debugging), else "auto".
     """
+    if transport is not None and transport not in TRANSPORTS:
+      raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
     if axis_name not in mesh.axis_names:
       raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     old = current(axis_name)
@@ -217,7 +226,7 @@ class Communicator:
       specs.append((uid, num_ranks, ranks, ordinals))
     _native.ensure_registered()
     comm_id = _native.module().comm_create_groups(specs, num_bytes, float(timeout_s),
-                                                  bool(checked))
+                                                  bool(checked), transport or "")
     comm = cls(comm_id=comm_id, mesh=mesh, axis_name=axis_name, num_bytes=num_bytes,
                timeout_s=float(timeout_s), checked=bool(checked))
     with _registry_lock:

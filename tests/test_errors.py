@@ -290,3 +290,13 @@ def test_a_peer_that_refused_is_named_and_not_a_timeout():
     assert "did not arrive" not in msg, msg
     msg = _native.module().describe_status((3 << 16) | (9 << 8) | 1, 0, 0, 10.0)
     assert "dispatch" in msg and "EP rank 1 called this op with another configuration" in msg, msg
+
+
+def test_an_unknown_transport_argument_is_a_value_error_naming_the_choices():
+  """Communicator.create(transport=...) is checked before anything else
+  (docs/design.md §3), on any machine."""
+  import re
+  from jax.sharding import Mesh
+  mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+  with pytest.raises(ValueError, match=re.escape("transport='nvlink' is not one of ('auto', 'gin', 'gin_emulated')")):
+    jax_ep.Communicator.create(mesh, "ep", transport="nvlink")

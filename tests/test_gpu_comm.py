@@ -195,6 +195,19 @@ def test_an_unknown_transport_setting_is_refused_before_nccl_starts(monkeypatch)
     assert comm_mod.current(h.AXIS) is None
 
 
+def test_the_transport_argument_wins_over_the_environment(monkeypatch):
+    """Communicator.create(transport=...) is the knob; JAX_EP_TRANSPORT only
+    applies where the argument is not given (debugging)."""
+    mesh = _mesh2()
+    monkeypatch.setenv("JAX_EP_TRANSPORT", "nvlink")  # would be refused if read
+    with Communicator.create(mesh, h.AXIS, 4 << 20, transport="auto") as c:
+        assert all(d["gin_mask"] == 0 and d["lsa_size"] == 2 for d in c.info())
+    monkeypatch.delenv("JAX_EP_TRANSPORT")
+    with Communicator.create(mesh, h.AXIS, 4 << 20, transport="gin_emulated") as c:
+        assert all(d["gin_emulated"] and d["gin_mask"] == 1 << (1 - d["rank"])
+                   for d in _native.module().comm_info(c.comm_id))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

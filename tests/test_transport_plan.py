@@ -53,7 +53,7 @@ def test_forcing_gin_moves_every_remote_peer_and_says_how_to_undo_it():
   assert names == ["gin", "gin", "self"] and mask == 0b011 and err == ""
   _, _, err = plan(1, [1, 1], force=True, gin="no_device")
   assert "to EP rank 0:" in err and "JAX_EP_TRANSPORT=gin" in err
-  assert "Unset JAX_EP_TRANSPORT" in err and "NCCL 2.28.9" in err
+  assert "transport='auto'" in err and "unset JAX_EP_TRANSPORT" in err and "NCCL 2.28.9" in err
 
 
 def test_a_single_rank_group_has_only_itself():

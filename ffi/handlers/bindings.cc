@@ -179,14 +179,15 @@ void RegisterCudaBindings(nb::module_& m) {
   m.def(
       "comm_create_groups",
       [](std::vector<std::tuple<nb::bytes, int, std::vector<int>, std::vector<int>>> specs,
-         size_t num_bytes, double timeout_s, bool checked) {
+         size_t num_bytes, double timeout_s, bool checked, std::string transport) {
         std::vector<jax_ep::GroupSpec> groups;
         for (auto& [uid, nranks, ranks, ordinals] : specs)
           groups.push_back(MakeGroup(uid, nranks, std::move(ranks), std::move(ordinals)));
         nb::gil_scoped_release release;
-        return jax_ep::CreateComm(groups, num_bytes, timeout_s, checked);
+        return jax_ep::CreateComm(groups, num_bytes, timeout_s, checked, transport);
       },
       nb::arg("groups"), nb::arg("num_bytes"), nb::arg("timeout_s"), nb::arg("checked") = false,
+      nb::arg("transport") = "",
       "Like comm_create for several EP groups at once (every local device of a mesh), "
       "groups = [(unique_id, nranks, ranks, device_ordinals), ...]; one comm_id for all.");
 

@@ -68,14 +68,18 @@ struct BulkSlots {
 
   // Take the next slot for `bytes` of loads (LoadPart), once the bulk stores
   // that last read it have read it and the lanes are done reading it.
+  // kReadPending: how many of the newest committed groups may still be
+  // reading their slots. A warp that commits every row before it loads the
+  // next leaves the other slot's group newest (kBulkSlots - 1); one that
+  // loads the next row while the current one still sits uncommitted in the
+  // other slot (prefetch) needs every committed group to have read (0).
+  template <int kReadPending = kBulkSlots - 1>
   __device__ int Begin(uint32_t bytes) {
     const int s = next;
     next = (next + 1) % kBulkSlots;
     __syncwarp();
     if (Issuer()) {
-      // Pending groups: the last kBulkSlots - 1 rows' and this slot's own
-      // (committed kBulkSlots rows ago).
-      asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kBulkSlots - 1) : "memory");
+      asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kReadPending) : "memory");
       // Lanes may have read the slot with ordinary loads (combine's reduce).
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar + s)), "r"(bytes)
@@ -90,8 +94,9 @@ struct BulkSlots {
                    ::"r"(SmemAddr(Slot(s) + off)), "l"(src), "r"(bytes), "r"(SmemAddr(bar + s))
                    : "memory");
   }
+  template <int kReadPending = kBulkSlots - 1>
   __device__ int Load(const void* src, uint32_t bytes) {
-    const int s = Begin(bytes);
+    const int s = Begin<kReadPending>(bytes);
     LoadPart(s, 0, src, bytes);
     return s;
   }

@@ -197,35 +197,46 @@ __device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const 
   }
 }
 
-// ReduceRows through shared memory: the warp bulk-loads a piece of each of
-// the n rows into one slot while it sums the previous piece from the other
-// (same order and roundings as ReduceRows). `piece` bytes per row per slot
-// (a multiple of 16; n * piece fits a slot).
-template <typename TY, bool kHasW>
+// Start loading piece `off` (`piece` bytes, less at the row's end) of each
+// of the n rows lane i holds in my_row into the next slot, rows side by
+// side; -1 when n = 0. The rows' counts were acquired (gather).
+__device__ __forceinline__ int BulkPiece(const CombineWindow& w, int n, const char* my_row, uint32_t off,
+                                         BulkSlots& bulk, uint32_t piece) {
+  if (n == 0) return -1;
+  if (off == 0) FenceBeforeBulkRead();
+  const uint32_t b = min(piece, static_cast<uint32_t>(w.payload_bytes) - off);
+  const int s = bulk.Begin(b * static_cast<uint32_t>(n));
+  for (int i = 0; i < n; ++i) bulk.LoadPart(s, i * b, ShflPtr(my_row, i) + off, b);
+  return s;
+}
+
+// ReduceRows through shared memory: piece 0 of the n rows is loading into
+// `slot` (BulkPiece); while each piece is summed (same order and roundings
+// as ReduceRows) the next one loads into the other slot, and while the last
+// is summed, `prefetch()` starts the next token's first piece. n * piece
+// fits a slot.
+template <typename TY, bool kHasW, typename Prefetch>
 __device__ __forceinline__ void ReduceRowsBulk(const CombineWindow& w, int n, const char* my_row,
-                                               float my_w, char* out, BulkSlots& bulk, uint32_t piece) {
+                                               float my_w, char* out, BulkSlots& bulk, uint32_t piece,
+                                               int slot, Prefetch&& prefetch) {
   constexpr int V = Vec16<TY>::N;
   const int lane = LaneId();
   const uint32_t row_bytes = static_cast<uint32_t>(w.payload_bytes);
   const float init = n > 0 ? -0.f : 0.f;
   if (n == 0) {
+    prefetch();
     float zero[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) zero[e] = init;
     for (uint32_t v = lane; v < row_bytes / 16; v += 32) StNa(reinterpret_cast<uint4*>(out) + v, Vec16<TY>::FromFloat(zero));
     return;
   }
-  FenceBeforeBulkRead();  // the rows' counts were acquired
-  auto issue = [&](uint32_t off) {
-    const uint32_t b = min(piece, row_bytes - off);
-    const int s = bulk.Begin(b * static_cast<uint32_t>(n));
-    for (int i = 0; i < n; ++i) bulk.LoadPart(s, i * b, ShflPtr(my_row, i) + off, b);
-    return s;
-  };
-  int s = issue(0);
+  int s = slot;
   for (uint32_t off = 0; off < row_bytes; off += piece) {
     const uint32_t b = min(piece, row_bytes - off);
-    const int s_next = off + piece < row_bytes ? issue(off + piece) : -1;
+    int s_next = -1;
+    if (off + piece < row_bytes) s_next = BulkPiece(w, n, my_row, off + piece, bulk, piece);
+    else prefetch();
     bulk.Wait(s);
     const char* rows = bulk.Slot(s);
     const int nv = static_cast<int>(b / 16);
@@ -440,7 +451,9 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
     }
     return;
   }
-  for (int t = rw; t < c.T; t += nrw) {
+  // Token t's rows in sum order (lane i: the i-th row and its weight) once
+  // they are complete; n = 0 after a timeout (the token gets zeros).
+  auto gather = [&](int t, const char*& my_row_out, float& my_w_out) {
     int n = 0;
     const char* my_row = nullptr;  // lane i: the i-th row of token t, in sum order
     float my_w = 1.f;
@@ -517,9 +530,42 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       }
       if (kHasW && lane < n && alive) my_w = *reinterpret_cast<const float*>(my_row + w.weight_off);
     }
-    uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes);
-    if constexpr (kBulk) ReduceRowsBulk<TY, kHasW>(w, alive ? n : 0, my_row, my_w, reinterpret_cast<char*>(out), bulk, piece);
-    else ReduceRows<TY, kHasW>(w, alive ? n : 0, my_row, my_w, out);
+    my_row_out = my_row;
+    my_w_out = my_w;
+    return alive ? n : 0;
+  };
+  auto out_row = [&](int t) { return static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes; };
+  if constexpr (!kBulk) {
+    for (int t = rw; t < c.T; t += nrw) {
+      const char* my_row;
+      float my_w;
+      const int n = gather(t, my_row, my_w);
+      ReduceRows<TY, kHasW>(w, n, my_row, my_w, reinterpret_cast<uint4*>(out_row(t)));
+    }
+  } else {
+    // The first piece of the next token loads while the last piece of this
+    // one is summed (ReduceRowsBulk overlaps the pieces inside a token).
+    const char* my_row;
+    float my_w;
+    int n = rw < c.T ? gather(rw, my_row, my_w) : 0;
+    int slot = rw < c.T ? BulkPiece(w, n, my_row, 0, bulk, piece) : -1;
+    for (int t = rw; t < c.T; t += nrw) {
+      const int t2 = t + nrw;
+      const char* row2 = nullptr;
+      float w2 = 1.f;
+      int n2 = 0, slot2 = -1;
+      auto prefetch = [&]() {
+        if (t2 < c.T) {
+          n2 = gather(t2, row2, w2);
+          slot2 = BulkPiece(w, n2, row2, 0, bulk, piece);
+        }
+      };
+      ReduceRowsBulk<TY, kHasW>(w, n, my_row, my_w, out_row(t), bulk, piece, slot, prefetch);
+      n = n2;
+      my_row = row2;
+      my_w = w2;
+      slot = slot2;
+    }
   }
 }
 

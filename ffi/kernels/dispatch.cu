@@ -417,21 +417,21 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 // is: rank j's window, or for a GIN peer the staging area), payload
 // cast to FP8 on the way if kCast. Returns with the stores possibly still
 // in flight. kBulk: the payload goes through lane 0's bulk slots (one
-// group per token, bulk_copy.cuh) instead of registers.
+// group per token, bulk_copy.cuh) instead of registers, from `slot`, where
+// the caller has started loading the row (so that it loads while the warp
+// still stores the previous token).
 template <typename TIn, bool kCast, bool kBulk>
 __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWindow& w,
                                           const EpPeers& p, const PushIO& io, const int* scratch,
                                           const int* rie, int t, int pos, unsigned dest,
-                                          char* lane_rows, int local_prefix, BulkSlots& bulk) {
+                                          char* lane_rows, int local_prefix, BulkSlots& bulk,
+                                          int slot) {
   static_assert(!(kBulk && kCast), "the cast needs the row in registers");
   const int R = p.nranks, r = p.rank, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
   const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
   const char* xrow = static_cast<const char*>(io.x) + t * in_row_bytes;
-  int slot = 0;
-  // The row's load is under way while the lanes place its metadata.
-  if constexpr (kBulk) slot = bulk.Load(xrow, static_cast<uint32_t>(in_row_bytes));
   const unsigned remote_mask = dest & ~(1u << r);
   const bool to_me = (dest >> r) & 1u;
   int id = -1, rv = -1;
@@ -589,11 +589,13 @@ struct RowWriter {
 // Row p from source s (already complete in this rank's window) into the
 // outputs: rank layout row prefix[s] + p; expert layout one row per local
 // expert the token chose, at the sender's rie inside the (expert, s) block.
-// kBulk: the payload through lane 0's bulk slots, one group per row.
+// kBulk: the payload through lane 0's bulk slots, one group per row, from
+// `slot`, where the caller has started loading it (RecvLoad).
 template <bool kBulk>
 __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWindow& w,
                                         const EpPeers& p, const PushIO& io, const int* scratch,
-                                        const int* s_prefix, int s, int pos, BulkSlots& bulk) {
+                                        const int* s_prefix, int s, int pos, BulkSlots& bulk,
+                                        int slot) {
   const int R = p.nranks, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
@@ -604,11 +606,6 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   const int H128 = c.H / 128;
   const uint4* sv = reinterpret_cast<const uint4*>(src);
   const uint32_t nb = static_cast<uint32_t>(w.payload_bytes);
-  int slot = 0;
-  if constexpr (kBulk) {
-    FenceBeforeBulkRead();  // the row's count was acquired (WaitRow)
-    slot = bulk.Load(src, nb);
-  }
   if (!c.expert) {
     const int row = s_prefix[s] + pos;
     uint4* dst = reinterpret_cast<uint4*>(recv_x + static_cast<size_t>(row) * w.payload_bytes);
@@ -679,6 +676,14 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   }
 }
 
+// Start loading row `pos` from source s (its count acquired: WaitRow) into
+// a slot, while the warp may still hold an uncommitted row in the other.
+__device__ __forceinline__ int RecvLoad(const DispatchCfg& c, const DispatchWindow& w, const EpPeers& p,
+                                        int s, int pos, BulkSlots& bulk) {
+  FenceBeforeBulkRead();
+  return bulk.Load<0>(p.base[p.rank] + w.row(s, pos, c.T), static_cast<uint32_t>(w.payload_bytes));
+}
+
 // kBulk: rows move through shared memory by bulk copies (bulk_copy.cuh);
 // `slot_bytes` per slot, kBulkSlots slots per warp in dynamic shared memory.
 template <typename TIn, bool kCast, int kThreads, bool kBulk>
@@ -737,12 +742,32 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     // two tokens' stores stay in flight.
     unsigned pend_remote = 0;
     int pend_pos = -1;
-    for (int t = gwarp; t < c.T; t += send_blocks * kWarps) {
-      const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
-      unsigned dest = __ballot_sync(kFullMask, pos >= 0);
-      if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
-      if (dest == 0) continue;
-      SendToken<TIn, kCast, kBulk>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r], bulk);
+    const int stride = send_blocks * kWarps;
+    const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
+    auto xrow = [&](int t) { return static_cast<const char*>(io.x) + t * in_row_bytes; };
+    // The first token at or after t that has rows to send, its row position
+    // per destination (lane j) and its destinations; c.T when none is left.
+    auto next_token = [&](int t, int& pos, unsigned& dest) {
+      for (; t < c.T; t += stride) {
+        pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
+        dest = __ballot_sync(kFullMask, pos >= 0);
+        if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
+        if (dest != 0) return t;
+      }
+      return c.T;
+    };
+    int pos = -1, slot = -1;
+    unsigned dest = 0;
+    int t = next_token(gwarp, pos, dest);
+    if (kBulk && t < c.T) slot = bulk.Load<0>(xrow(t), static_cast<uint32_t>(in_row_bytes));
+    while (t < c.T) {
+      int pos2 = -1, slot2 = -1;
+      unsigned dest2 = 0;
+      const int t2 = next_token(t + stride, pos2, dest2);
+      // kBulk: the next token's row loads while this one's is placed and
+      // stored (two loads in flight: a warp's rows are latency-bound).
+      if (kBulk && t2 < c.T) slot2 = bulk.Load<0>(xrow(t2), static_cast<uint32_t>(in_row_bytes));
+      SendToken<TIn, kCast, kBulk>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r], bulk, slot);
       const unsigned remote = dest & ~(1u << r);
       if constexpr (kBulk) {
         if (pend_remote != 0) {
@@ -754,6 +779,10 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
       } else if (remote != 0) {
         tr.RowsWritten(Op::kDispatch, remote, lane_base, jl, pos, lane_sends, gin_channels);
       }
+      t = t2;
+      pos = pos2;
+      dest = dest2;
+      slot = slot2;
     }
     if constexpr (kBulk) bulk.WaitAll();
     if (kBulk && pend_remote != 0)
@@ -766,15 +795,43 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     for (int s = 0; s < R; ++s) if (s != r) maxn = max(maxn, s_prefix[s + 1] - s_prefix[s]);
     const unsigned long long t0 = globaltimer_ns();
     const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
-    bool alive = true;
-    for (int pos = rwarp; pos < maxn && alive; pos += nrw) {
-      for (int d = 1; d < R && alive; ++d) {
-        const int s = (r - d + R) % R;  // the source that sends to us first, first
-        const int n = s_prefix[s + 1] - s_prefix[s];
-        if (pos >= n) continue;
-        alive = tr.WaitRow(Op::kDispatch, s, pos, n, t0);
-        if (alive && ok) RecvRow<kBulk>(c, w, p, io, scratch, s_prefix, s, pos, bulk);
+    // Rows in order: positions rwarp, rwarp + nrw, ...; at each, the
+    // sources d = 1 .. R-1 ranks back (the one that sends to us first,
+    // first). next_row gives the next (s, pos) that exists.
+    int ipos = rwarp, id = 1;
+    auto next_row = [&](int& s, int& pos) {
+      for (; ipos < maxn; ipos += nrw, id = 1) {
+        for (; id < R; ++id) {
+          const int src = (r - id + R) % R;
+          if (ipos < s_prefix[src + 1] - s_prefix[src]) {
+            s = src;
+            pos = ipos;
+            ++id;
+            return true;
+          }
+        }
       }
+      return false;
+    };
+    auto wait_row = [&](int s, int pos) {
+      return tr.WaitRow(Op::kDispatch, s, pos, s_prefix[s + 1] - s_prefix[s], t0);
+    };
+    int s = 0, pos = 0, slot = -1;
+    bool have = next_row(s, pos);
+    bool alive = !have || wait_row(s, pos);
+    if (kBulk && have && alive && ok) slot = RecvLoad(c, w, p, s, pos, bulk);
+    while (have && alive) {
+      // kBulk: the next row (once complete) loads while this one is placed.
+      int s2 = 0, pos2 = 0, slot2 = -1;
+      const bool have2 = next_row(s2, pos2);
+      const bool alive2 = !have2 || wait_row(s2, pos2);
+      if (kBulk && have2 && alive2 && ok) slot2 = RecvLoad(c, w, p, s2, pos2, bulk);
+      if (ok) RecvRow<kBulk>(c, w, p, io, scratch, s_prefix, s, pos, bulk, slot);
+      s = s2;
+      pos = pos2;
+      slot = slot2;
+      have = have2;
+      alive = alive2;
     }
     if constexpr (kBulk) bulk.WaitAll();
   }

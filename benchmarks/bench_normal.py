@@ -98,8 +98,8 @@ def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int) -> tuple[float, f
   return float(np.mean(nv)), float(np.mean(lg))
 
 
-def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
-  """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
+def _chain(fn: Callable, iters: int) -> Callable:
+  """A jitted step of `iters` chained calls of `fn`."""
   import jax
   from jax import lax
 
@@ -114,15 +114,27 @@ def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
       outs.append(out)
     return outs
 
-  jstep = jax.jit(step)
-  jax.block_until_ready(jstep(*args))  # compile + warm-up
+  return jax.jit(step)
+
+
+def _time_chain(jstep: Callable, args, repeats: int) -> float:
+  """Median seconds per step of an already compiled and warmed `_chain`."""
+  import jax
   jax.block_until_ready(jstep(*args))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(jstep(*args))
     times.append(time.perf_counter() - t0)
-  return statistics.median(times) / iters
+  return statistics.median(times)
+
+
+def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
+  """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
+  import jax
+  jstep = _chain(fn, iters)
+  jax.block_until_ready(jstep(*args))  # compile + warm-up
+  return _time_chain(jstep, args, repeats) / iters
 
 
 def _adaptive_iters(fn, args, quick: bool) -> tuple[int, int]:
@@ -487,9 +499,31 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
                         time_us=t * 1e6, nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
                         sms=nsms, **extra))
 
+  # Every variant is compiled and run once (bench) before any is timed
+  # (time_all), so none is timed on a colder GPU than the others (issue 12).
+  pending = []
+
   def bench(name, impl, dtype, fn, args, row_bytes, nsms=None):
-    t = time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick)
-    if t is None:
+    label = f"{name}/{impl}/{dtype}"
+    try:
+      iters, reps = _adaptive_iters(fn, args, quick)
+      jstep = _chain(fn, iters)
+      jax.block_until_ready(jstep(*args))
+    except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
+      print(f"  {label}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
+      return
+    pending.append((name, impl, dtype, fn, args, row_bytes, nsms, jstep, iters, reps))
+
+  def time_all():
+    for job in pending:
+      timed(*job)
+    pending.clear()
+
+  def timed(name, impl, dtype, fn, args, row_bytes, nsms, jstep, iters, reps):
+    try:
+      t = _time_chain(jstep, args, reps) / iters
+    except Exception as e:  # noqa: BLE001
+      print(f"  {name}/{impl}/{dtype}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
       return
     extra = {}
     if impl.startswith("jax_ep") and not quick:
@@ -515,7 +549,10 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
       if impl == "jax_ep_checked":
         # Checked mode (docs/errors.md): every op waits for its own kernels
         # and fails the program that caused an error. Its cost per op
-        # against the deferred default is what decides the default.
+        # against the deferred default is what decides the default. The
+        # programs compiled so far use the deferred communicator: time
+        # them before it closes.
+        time_all()
         comm.close()
         comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes, checked=True)
       if impl in ("jax_ep", "reference", "jax_ep_checked"):
@@ -565,6 +602,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
       elif impl == "jax_ragged_all_to_all":
         f = smap(functools.partial(_ragged_all_to_all_dispatch, shape=shape, axis="ep"))
         bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)
+    time_all()
   finally:
     if comm is not None:
       comm.close()

@@ -183,3 +183,38 @@ def test_soak_runs_on_cpu_with_the_reference():
                       hidden=128)
   assert rec["status"] == "ok", rec
   assert rec["pairs"] == 6 and rec["pairs_per_s"] > 0
+
+
+def test_bench_normal_warms_every_variant_up_before_it_times_any(monkeypatch):
+  """Issue 12: all of bench_normal's variants are compiled and run once
+  before the first is timed (a variant timed first must not meet a colder
+  GPU than the rest). On CPU with the reference and the dense all_to_all."""
+  bn = _bench_normal()
+  events, probing = [], []
+  adaptive, time_chain = bn._adaptive_iters, bn._time_chain
+
+  def adaptive_logged(*a, **k):  # a variant's first compile and run
+    events.append("warm")
+    probing.append(1)
+    try:
+      return adaptive(*a, **k)
+    finally:
+      probing.pop()
+
+  def time_chain_logged(*a, **k):  # the timing (not the probe inside adaptive)
+    if not probing:
+      events.append("time")
+    return time_chain(*a, **k)
+
+  monkeypatch.setattr(bn, "_adaptive_iters", adaptive_logged)
+  monkeypatch.setattr(bn, "_time_chain", time_chain_logged)
+  recs = bn.run(bn.Shape(tokens=32, hidden=256, topk=2, experts=8, ranks=2), quick=True,
+                impls=["reference", "jax_all_to_all"])
+  assert {(r["bench"], r["impl"], r["dtype"]) for r in recs} >= {
+      ("normal_dispatch", "reference", "bf16"), ("normal_dispatch", "reference", "fp8"),
+      ("normal_combine", "reference", "bf16"), ("normal_dispatch", "jax_all_to_all", "bf16"),
+      ("normal_combine", "jax_all_to_all", "bf16")}
+  assert all(r["time_us"] > 0 for r in recs)
+  first_time = events.index("time")
+  assert "warm" not in events[first_time:], events
+  assert events.count("time") == len(recs)

@@ -19,6 +19,15 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+// Bulk copies and mbarriers with transaction counts need sm_90. On other
+// targets the methods trap; the host never selects bulk copies there
+// (BulkCopiesEnabled checks the device).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define JAX_EP_BULK_ASM(...) __trap()
+#else
+#define JAX_EP_BULK_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+
 namespace jax_ep {
 
 // Two row slots per warp, 16 warps per CTA where the slots fit, else 8
@@ -58,8 +67,8 @@ struct BulkSlots {
   __device__ void Init() {
     if (Issuer()) {
       for (int s = 0; s < kBulkSlots; ++s)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(bar + s)) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        JAX_EP_BULK_ASM("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(bar + s)) : "memory");
+      JAX_EP_BULK_ASM("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     phases = 0;
     next = 0;
@@ -79,10 +88,10 @@ struct BulkSlots {
     next = (next + 1) % kBulkSlots;
     __syncwarp();
     if (Issuer()) {
-      asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kReadPending) : "memory");
+      JAX_EP_BULK_ASM("cp.async.bulk.wait_group.read %0;" ::"n"(kReadPending) : "memory");
       // Lanes may have read the slot with ordinary loads (combine's reduce).
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar + s)), "r"(bytes)
+      JAX_EP_BULK_ASM("fence.proxy.async.shared::cta;" ::: "memory");
+      JAX_EP_BULK_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar + s)), "r"(bytes)
                    : "memory");
     }
     return s;
@@ -90,7 +99,7 @@ struct BulkSlots {
   // Load `bytes` from `src` to offset `off` of slot s (part of Begin's bytes).
   __device__ void LoadPart(int s, uint32_t off, const void* src, uint32_t bytes) const {
     if (Issuer())
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      JAX_EP_BULK_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                    ::"r"(SmemAddr(Slot(s) + off)), "l"(src), "r"(bytes), "r"(SmemAddr(bar + s))
                    : "memory");
   }
@@ -102,12 +111,21 @@ struct BulkSlots {
   }
 
   // Wait until slot s holds what Begin announced (every lane then sees it).
+  // Only a byte count that disagrees with the loads (a bug) can make this
+  // wait forever: trap after 5 s rather than hang.
   __device__ void Wait(int s) {
     const uint32_t b = SmemAddr(bar + s);
     const uint32_t parity = (phases >> s) & 1u;
     uint32_t done = 0;
-    while (!done) {
-      asm volatile(
+    unsigned long long t0 = 0;
+    for (unsigned polls = 0; !done; ++polls) {
+      if ((polls & 1023u) == 1023u) {
+        unsigned long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (t0 == 0) t0 = now;
+        else if (now - t0 > 5000000000ull) __trap();
+      }
+      JAX_EP_BULK_ASM(
           "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
           : "=r"(done)
           : "r"(b), "r"(parity)
@@ -120,30 +138,30 @@ struct BulkSlots {
   // an output row or a peer's window row).
   __device__ void Store(int s, void* dst, uint32_t bytes) const {
     if (Issuer())
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+      JAX_EP_BULK_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                    "r"(SmemAddr(Slot(s))), "r"(bytes)
                    : "memory");
   }
   // The stores of one row form a group (also when there are none, so that
   // groups and slots stay in step).
   __device__ void Commit() const {
-    if (Issuer()) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (Issuer()) JAX_EP_BULK_ASM("cp.async.bulk.commit_group;" ::: "memory");
   }
 
   // Every group but the newest has written its rows, ordered before the
   // issuing lane's later generic releases (CountRowsDone fences on lane 0).
   __device__ void WaitAllButNewest() const {
     if (Issuer()) {
-      asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      JAX_EP_BULK_ASM("cp.async.bulk.wait_group 1;" ::: "memory");
+      JAX_EP_BULK_ASM("fence.proxy.async.global;" ::: "memory");
     }
     __syncwarp();
   }
   // Every group has written its rows (and read its slot: before exit).
   __device__ void WaitAll() const {
     if (Issuer()) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      JAX_EP_BULK_ASM("cp.async.bulk.wait_group 0;" ::: "memory");
+      JAX_EP_BULK_ASM("fence.proxy.async.global;" ::: "memory");
     }
     __syncwarp();
   }
@@ -154,7 +172,7 @@ struct BulkSlots {
 // acquire.
 __device__ __forceinline__ void FenceBeforeBulkRead() {
   __syncwarp();
-  if ((threadIdx.x & 31) == 0) asm volatile("fence.proxy.async.global;" ::: "memory");
+  if ((threadIdx.x & 31) == 0) JAX_EP_BULK_ASM("fence.proxy.async.global;" ::: "memory");
 }
 
 }  // namespace jax_ep

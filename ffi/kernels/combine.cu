@@ -589,10 +589,12 @@ template <bool kHasW, typename TY, int kWarps>
 cudaError_t LaunchBulk(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
                        const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
   const auto kernel = CombineDataKernel<TY, kHasW, kWarps * 32, true>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
-  if (attr != cudaSuccess) return attr;
   const size_t smem = static_cast<size_t>(kWarps) * kBulkSlots * slot_bytes;
+  // Per device, so on every launch (a host call; one process may drive
+  // several GPUs).
+  const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
   kernel<<<grid, kWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes, piece);
   return cudaSuccess;
 }

@@ -677,11 +677,13 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
 }
 
 // Start loading row `pos` from source s (its count acquired: WaitRow) into
-// a slot, while the warp may still hold an uncommitted row in the other.
+// a slot; kReadPending as BulkSlots::Begin (0 while the warp still holds an
+// uncommitted row in the other slot).
+template <int kReadPending>
 __device__ __forceinline__ int RecvLoad(const DispatchCfg& c, const DispatchWindow& w, const EpPeers& p,
                                         int s, int pos, BulkSlots& bulk) {
   FenceBeforeBulkRead();
-  return bulk.Load<0>(p.base[p.rank] + w.row(s, pos, c.T), static_cast<uint32_t>(w.payload_bytes));
+  return bulk.Load<kReadPending>(p.base[p.rank] + w.row(s, pos, c.T), static_cast<uint32_t>(w.payload_bytes));
 }
 
 // kBulk: rows move through shared memory by bulk copies (bulk_copy.cuh);
@@ -819,14 +821,24 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     int s = 0, pos = 0, slot = -1;
     bool have = next_row(s, pos);
     bool alive = !have || wait_row(s, pos);
-    if (kBulk && have && alive && ok) slot = RecvLoad(c, w, p, s, pos, bulk);
+    if (kBulk && have && alive && ok) slot = RecvLoad<0>(c, w, p, s, pos, bulk);
     while (have && alive) {
-      // kBulk: the next row (once complete) loads while this one is placed.
+      // kBulk: the next row loads while this one is placed, if it has
+      // arrived; else this one is placed first (a finished row is not held
+      // back waiting for a later one).
       int s2 = 0, pos2 = 0, slot2 = -1;
       const bool have2 = next_row(s2, pos2);
-      const bool alive2 = !have2 || wait_row(s2, pos2);
-      if (kBulk && have2 && alive2 && ok) slot2 = RecvLoad(c, w, p, s2, pos2, bulk);
+      const bool early = kBulk && have2 && ok && tr.RowArrived(Op::kDispatch, s2, pos2, s_prefix[s2 + 1] - s_prefix[s2]);
+      bool alive2 = true;
+      if (early) {
+        alive2 = wait_row(s2, pos2);
+        if (alive2) slot2 = RecvLoad<0>(c, w, p, s2, pos2, bulk);
+      }
       if (ok) RecvRow<kBulk>(c, w, p, io, scratch, s_prefix, s, pos, bulk, slot);
+      if (have2 && !early) {
+        alive2 = wait_row(s2, pos2);
+        if (kBulk && alive2 && ok) slot2 = RecvLoad<1>(c, w, p, s2, pos2, bulk);
+      }
       s = s2;
       pos = pos2;
       slot = slot2;
@@ -857,7 +869,15 @@ bool BulkCopiesEnabled() {
     const char* e = std::getenv("JAX_EP_BULK");
     return !(e && std::strcmp(e, "0") == 0);
   }();
-  return on;
+  if (!on) return false;
+  // The current device (the launch's): sm_90 or newer with the shared
+  // memory the slots and the kernels' static shared memory take.
+  int dev = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return major >= 9 && static_cast<size_t>(optin) >= kBulkSmemBytes + 1024;
 }
 
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
@@ -871,6 +891,9 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     // the link. The same kernels also copy the local 1/R share of the rows
     // through HBM, so scale by R/(R-1); cap at 24 SMs (docs/design.md §6 budget,
     // DeepEP's default) so the op leaves the rest of the GPU to compute.
+    // (This counts register copies; the bulk kernels' 8 or 16 warps give
+    // fewer bytes per CTA by this count, so they always reach the cap,
+    // although each of their warps keeps two whole rows in flight.)
     const double bytes_in_flight = 450e9 * 2e-6;
     const double per_cta = warps_per_block * 32.0 * kUnroll * 16.0;
     double ctas = std::ceil(bytes_in_flight / per_cta);
@@ -980,13 +1003,12 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   if (bulk_warps > 0) {
     const auto kernel = bulk_warps == kBulkMaxWarps ? DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>
                                                     : DispatchDataKernel<uint8_t, false, 8 * 32, true>;
-    static const cudaError_t attr16 = cudaFuncSetAttribute(DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>,
-        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
-    static const cudaError_t attr8 = cudaFuncSetAttribute(DispatchDataKernel<uint8_t, false, 8 * 32, true>,
-        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmemBytes));
-    if (attr16 != cudaSuccess) return attr16;
-    if (attr8 != cudaSuccess) return attr8;
     const size_t smem = static_cast<size_t>(bulk_warps) * kBulkSlots * slot_bytes;
+    // Per device, so on every launch (a host call; one process may drive
+    // several GPUs).
+    const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (attr != cudaSuccess) return attr;
     kernel<<<grid, threads, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes);
   } else if (!cast) {
     DispatchDataKernel<uint8_t, false, kDataThreads, false><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);

@@ -108,11 +108,12 @@ __device__ __forceinline__ uint64_t* EmuSignal(char* window, uint32_t signal) {
   return reinterpret_cast<uint64_t*>(window + kGinEmuSignalsOffset) + signal;
 }
 
-// Source bytes are read with ordinary loads: they were written by other
-// warps of this kernel, which the caller has synchronised with (acquire).
+// Source bytes were written by other warps of this kernel (or by this
+// warp's bulk stores), which the caller has synchronised with: read from L2,
+// never from a stale L1 line.
 __device__ __forceinline__ uint4 EmuLoad(const uint4* ptr) {
   uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(ptr)
                : "memory");

@@ -135,6 +135,23 @@ struct PeerTransport {
     return WaitChunk(p, ChunkCounter(my, s, ch), expected, op, s, t0);
   }
 
+  // One look, no wait: has row `pos` of the `n` rows source s sends me
+  // arrived? A hint only (WaitRow still acquires it). Warp-wide.
+  __device__ __forceinline__ bool RowArrived(Op op, int s, int pos, int n) const {
+    int got = 0;
+    if (LaneId() == 0) {
+      if (Gin(s)) {
+        const int ch = pos / geo.rows;
+        got = GinReached(GinReadSignal(p, op, GinSignalId(s, ch)), GinExpected(p, s, ch, 1));
+      } else {
+        const int ch = pos / chunk;
+        got = *reinterpret_cast<volatile uint32_t*>(ChunkCounter(my, s, ch)) >=
+              static_cast<uint32_t>(min(chunk, n - ch * chunk));
+      }
+    }
+    return __shfl_sync(kFullMask, got, 0) != 0;
+  }
+
   // The `rows` rows of token chunk `ch` (RowsPerChunk(s) tokens) that
   // source s puts one at a time (expert-layout combine).
   __device__ __forceinline__ bool WaitTokenChunk(Op op, int s, int ch, uint32_t rows,

@@ -1,6 +1,6 @@
 """Normal dispatch/combine through their GIN code path, on 2 NVLink GPUs.
 
-With JAX_EP_TRANSPORT=gin_emulated every remote peer is a GIN peer (no LSA
+With transport="gin_emulated" every remote peer is a GIN peer (no LSA
 pointer reaches the kernels for it), and gin.cuh's helpers carry the puts and
 signals over NVLink. So every GIN branch of the kernels (control words put
 ahead of the barrier signal, staged chunks put with per-chunk signals,
@@ -44,9 +44,7 @@ def comm():
     pytest.skip("needs 2 GPUs")
   from jax_ep.comm import Communicator
   mesh = jax.sharding.Mesh(np.array(devs[:2]), ("ep",))
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setenv("JAX_EP_TRANSPORT", "gin_emulated")
-    c = Communicator.create(mesh, "ep", COMM_BYTES)  # the variable is read here only
+  c = Communicator.create(mesh, "ep", COMM_BYTES, transport="gin_emulated")
   yield c
   c.close()
 

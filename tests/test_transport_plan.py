@@ -68,7 +68,7 @@ def test_bad_arguments_are_rejected():
 
 
 def test_emulated_gin_puts_every_remote_peer_on_gin_without_asking_for_a_nic():
-  # JAX_EP_TRANSPORT=gin_emulated: the GIN code path over NVLink, so neither a
+  # transport="gin_emulated": the GIN code path over NVLink, so neither a
   # GIN build nor a GIN device matters.
   for gin in ("not_built", "no_device", "rail_only", "available"):
     names, mask, err = _native.module().transport_plan(2, [1, 1, 1, 1], False, gin, NCCL_2_28_9,
@@ -82,7 +82,7 @@ def test_emulated_gin_needs_every_peer_in_the_lsa_team():
   assert names == ["self", "gin", "gin"] and mask == 0b110
   assert err.startswith("jax_ep: no transport from EP rank 0 ") and "to EP rank 2:" in err
   assert "JAX_EP_TRANSPORT=gin_emulated" in err and "NVLink" in err
-  assert "Unset JAX_EP_TRANSPORT" in err
+  assert "transport='auto'" in err and "unset JAX_EP_TRANSPORT" in err
 
 
 def test_emulated_gin_on_a_single_rank_group_has_only_itself():

@@ -167,6 +167,27 @@ struct BulkSlots {
   }
 };
 
+// This warp's slots in a kernel with `bars` (kBulkSlots per warp) and
+// dynamic shared memory `rows` (kBulkSlots slots of `slot_bytes` per warp),
+// initialised when kOn (kernels instantiated without bulk copies get an
+// unused value).
+template <bool kOn>
+__device__ __forceinline__ BulkSlots WarpBulkSlots(char* rows, uint64_t* bars, uint32_t slot_bytes) {
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  BulkSlots b{rows + static_cast<size_t>(warp) * kBulkSlots * slot_bytes, bars + (kOn ? warp * kBulkSlots : 0),
+              slot_bytes, 0u, 0};
+  if constexpr (kOn) b.Init();
+  return b;
+}
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory. The setting is
+// per device, so it is made on every launch (a host call; one process may
+// drive several GPUs).
+template <typename Kernel>
+inline cudaError_t AllowBulkSmem(Kernel kernel, size_t smem) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
 // After acquiring a peer's count (generic proxy, lane 0 or the whole warp):
 // order the warp's next bulk loads of the rows it announced after that
 // acquire.

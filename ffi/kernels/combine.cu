@@ -578,10 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
                                                                   uint32_t piece) {
   __shared__ uint64_t s_bar[kBulk ? kThreads / 32 * kBulkSlots : 1];
   extern __shared__ __align__(128) char s_rows[];
-  const int wib = static_cast<int>(threadIdx.x >> 5);
-  BulkSlots bulk{s_rows + static_cast<size_t>(wib) * kBulkSlots * slot_bytes, s_bar + (kBulk ? wib * kBulkSlots : 0),
-                 slot_bytes, 0u, 0};
-  if constexpr (kBulk) bulk.Init();
+  BulkSlots bulk = WarpBulkSlots<kBulk>(s_rows, s_bar, slot_bytes);
   CombineData<TY, kHasW, kThreads, kBulk>(c, w, p, io, send_blocks, bulk, piece);
 }
 
@@ -590,10 +587,7 @@ cudaError_t LaunchBulk(int grid, int send_blocks, uint32_t slot_bytes, uint32_t 
                        const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
   const auto kernel = CombineDataKernel<TY, kHasW, kWarps * 32, true>;
   const size_t smem = static_cast<size_t>(kWarps) * kBulkSlots * slot_bytes;
-  // Per device, so on every launch (a host call; one process may drive
-  // several GPUs).
-  const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t attr = AllowBulkSmem(kernel, smem);
   if (attr != cudaSuccess) return attr;
   kernel<<<grid, kWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes, piece);
   return cudaSuccess;
@@ -664,9 +658,10 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   // two pieces per row so that loading one overlaps summing the other.
   // JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
   const int max_rows = c.expert ? c.K : R;
+  const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
   uint32_t slot_bytes = 0, piece = 0;
-  if (BulkCopiesEnabled() && BulkWarpsFor(std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows))) > 0) {
-    slot_bytes = static_cast<uint32_t>(std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows)));
+  if (BulkCopiesEnabled() && BulkWarpsFor(want_slot) > 0) {
+    slot_bytes = static_cast<uint32_t>(want_slot);
     const uint32_t half = static_cast<uint32_t>((w.payload_bytes / 2 + 15) / 16 * 16);
     piece = std::max<uint32_t>(16, std::min<uint32_t>(half, slot_bytes / max_rows / 16 * 16));
   }

@@ -18,6 +18,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -711,10 +712,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   const int gwarps = static_cast<int>(gridDim.x) * kWarps;
   const RowWriter out{c, w, io, lane};
   const int chunk = ChunkRows(c.T);
-  const int wib = static_cast<int>(threadIdx.x >> 5);  // warp in block
-  BulkSlots bulk{s_rows + static_cast<size_t>(wib) * kBulkSlots * slot_bytes, s_bar + (kBulk ? wib * kBulkSlots : 0),
-                 slot_bytes, 0u, 0};
-  if constexpr (kBulk) bulk.Init();
+  BulkSlots bulk = WarpBulkSlots<kBulk>(s_rows, s_bar, slot_bytes);
 
   // Padding and tail rows are not data rows of anyone: fill them first.
   if (ok) {
@@ -871,13 +869,18 @@ bool BulkCopiesEnabled() {
   }();
   if (!on) return false;
   // The current device (the launch's): sm_90 or newer with the shared
-  // memory the slots and the kernels' static shared memory take.
-  int dev = 0, major = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return false;
-  return major >= 9 && static_cast<size_t>(optin) >= kBulkSmemBytes + 1024;
+  // memory the slots and the kernels' static shared memory take. Asked
+  // once per device (0: not asked yet, 1: no, 2: yes).
+  static std::atomic<int8_t> known[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (dev < 64 && known[dev].load(std::memory_order_relaxed) != 0) return known[dev] == 2;
+  int major = 0, optin = 0;
+  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+                  major >= 9 && static_cast<size_t>(optin) >= kBulkSmemBytes + 1024;
+  if (dev < 64) known[dev].store(ok ? 2 : 1, std::memory_order_relaxed);
+  return ok;
 }
 
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
@@ -1004,10 +1007,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
     const auto kernel = bulk_warps == kBulkMaxWarps ? DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>
                                                     : DispatchDataKernel<uint8_t, false, 8 * 32, true>;
     const size_t smem = static_cast<size_t>(bulk_warps) * kBulkSlots * slot_bytes;
-    // Per device, so on every launch (a host call; one process may drive
-    // several GPUs).
-    const cudaError_t attr =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t attr = AllowBulkSmem(kernel, smem);
     if (attr != cudaSuccess) return attr;
     kernel<<<grid, threads, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes);
   } else if (!cast) {

@@ -451,15 +451,28 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
     }
     return;
   }
-  // Token t's rows in sum order (lane i: the i-th row and its weight) once
-  // they are complete; n = 0 after a timeout (the token gets zeros).
-  auto gather = [&](int t, const char*& my_row_out, float& my_w_out) {
+  // Token t's routing word per lane (rank layout: lane j < R, t's row
+  // position in rank j; expert layout: lane k < K, its k-th expert id),
+  // loaded a token ahead of its gather so that no reducer waits on it.
+  auto load_meta = [&](int t) -> int {
+    if (t >= c.T) return -1;
+    if (!c.expert) return lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
+    return lane < c.K ? io.topk[static_cast<size_t>(t) * c.K + lane] : -1;
+  };
+  // Token t's rows in sum order once they are complete (lane i: the i-th
+  // row), and its weights: lane i's is `wt` on lane `src` — read with one
+  // shuffle when the token is summed, so that the weight loads issued here
+  // complete while the previous token is summed. n = 0 after a timeout
+  // (the token gets zeros).
+  int chunk_of = -1, chunk_cnt = 0;  // expert layout: lane j's cached chunk count (gather)
+  auto gather = [&](int t, int meta, const char*& my_row_out, float& wt_out, int& src_out) {
     int n = 0;
-    const char* my_row = nullptr;  // lane i: the i-th row of token t, in sum order
-    float my_w = 1.f;
+    const char* my_row = nullptr;
+    float wt = 1.f;
+    int src = lane;
     bool alive = true;
     if (!c.expert) {
-      const int pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
+      const int pos = meta;
       const unsigned mask = __ballot_sync(kFullMask, pos >= 0);
       n = __popc(mask);
       // Wait for each remote chunk this token needs (in rank order).
@@ -469,7 +482,6 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         alive = tr.WaitRow(Op::kCombine, j, pj, s_sent[j], t0);
       }
       const char* row = nullptr;
-      float wt = 1.f;
       if (pos >= 0) {
         if (lane == r) {
           const int yrow = s_prefix[r] + pos;
@@ -480,18 +492,12 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
           if (kHasW) wt = alive ? *reinterpret_cast<const float*>(row + w.weight_off) : 0.f;
         }
       }
-      // Gather: list lane i takes the row of the i-th set bit.
-      for (int i = 0; i < n; ++i) {
-        const int src = NthSetBit(mask, i);
-        const char* v = ShflPtr(row, src);
-        const float ww = __shfl_sync(kFullMask, wt, src);
-        if (lane == i) {
-          my_row = v;
-          my_w = ww;
-        }
-      }
+      // List lane i takes the row of the i-th set bit.
+      src = lane < n ? NthSetBit(mask, lane) : lane;
+      const char* v = ShflPtr(row, src);
+      my_row = lane < n ? v : nullptr;
     } else {
-      const int id = lane < c.K ? io.topk[static_cast<size_t>(t) * c.K + lane] : -1;
+      const int id = meta;
       const bool valid = id >= 0 && id < c.E;
       const unsigned vmask = __ballot_sync(kFullMask, valid);
       n = __popc(vmask);
@@ -503,16 +509,25 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       for (unsigned m = need; m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
         // Each source's rows of the chunk of tokens t is in (its transport's
-        // chunking), counted from the routing.
+        // chunking), counted from the routing once per chunk: lane j keeps
+        // rank j's last count (a warp's tokens are contiguous here).
         const int rows = tr.RowsPerChunk(j);
-        const int g0 = (t / rows) * rows, g1 = min(c.T, g0 + rows);
-        int cnt = 0;
-        for (int i = g0 * c.K + lane; i < g1 * c.K; i += 32) {
-          const int e = io.topk[i];
-          cnt += (e >= 0 && e < c.E && e / El == j) ? 1 : 0;
+        const int ch = t / rows;
+        int cnt = __shfl_sync(kFullMask, chunk_cnt, j);
+        if (__shfl_sync(kFullMask, chunk_of, j) != ch) {
+          const int g0 = ch * rows, g1 = min(c.T, g0 + rows);
+          cnt = 0;
+          for (int i = g0 * c.K + lane; i < g1 * c.K; i += 32) {
+            const int e = io.topk[i];
+            cnt += (e >= 0 && e < c.E && e / El == j) ? 1 : 0;
+          }
+          cnt = __reduce_add_sync(kFullMask, cnt);
+          if (lane == j) {
+            chunk_of = ch;
+            chunk_cnt = cnt;
+          }
         }
-        cnt = __reduce_add_sync(kFullMask, cnt);
-        alive = tr.WaitTokenChunk(Op::kCombine, j, t / rows, static_cast<uint32_t>(cnt), t0);
+        alive = tr.WaitTokenChunk(Op::kCombine, j, ch, static_cast<uint32_t>(cnt), t0);
       }
       // Order by (expert id, k): expert id ascending = rank then local expert.
       const long long key = valid ? static_cast<long long>(id) * kMaxTopk + lane : -1;
@@ -528,42 +543,57 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
           my_row = my + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
         }
       }
-      if (kHasW && lane < n && alive) my_w = *reinterpret_cast<const float*>(my_row + w.weight_off);
+      if (kHasW && lane < n && alive) wt = *reinterpret_cast<const float*>(my_row + w.weight_off);
     }
     my_row_out = my_row;
-    my_w_out = my_w;
+    wt_out = wt;
+    src_out = src;
     return alive ? n : 0;
   };
   auto out_row = [&](int t) { return static_cast<char*>(io.out) + static_cast<size_t>(t) * w.payload_bytes; };
+  // Tokens [tb, te) step ts: rank layout strided over the warps (the rows
+  // arrive roughly in position order, hence in token order); expert layout
+  // a contiguous run per warp, so each chunk is counted once (gather).
+  const int per = (c.T + nrw - 1) / nrw;
+  const int tb = c.expert ? min(c.T, rw * per) : rw;
+  const int te = c.expert ? min(c.T, tb + per) : c.T;
+  const int ts = c.expert ? 1 : nrw;
   if constexpr (!kBulk) {
-    for (int t = rw; t < c.T; t += nrw) {
+    for (int t = tb; t < te; t += ts) {
       const char* my_row;
-      float my_w;
-      const int n = gather(t, my_row, my_w);
-      ReduceRows<TY, kHasW>(w, n, my_row, my_w, reinterpret_cast<uint4*>(out_row(t)));
+      float wt;
+      int src;
+      const int n = gather(t, load_meta(t), my_row, wt, src);
+      ReduceRows<TY, kHasW>(w, n, my_row, __shfl_sync(kFullMask, wt, src), reinterpret_cast<uint4*>(out_row(t)));
     }
   } else {
-    // The first piece of the next token loads while the last piece of this
-    // one is summed (ReduceRowsBulk overlaps the pieces inside a token).
+    // The first piece of the next token loads (and its routing word two
+    // tokens ahead) while the last piece of this one is summed
+    // (ReduceRowsBulk overlaps the pieces inside a token).
     const char* my_row;
-    float my_w;
-    int n = rw < c.T ? gather(rw, my_row, my_w) : 0;
-    int slot = rw < c.T ? BulkPiece(w, n, my_row, 0, bulk, piece) : -1;
-    for (int t = rw; t < c.T; t += nrw) {
-      const int t2 = t + nrw;
+    float wt;
+    int src;
+    int n = tb < te ? gather(tb, load_meta(tb), my_row, wt, src) : 0;
+    int slot = tb < te ? BulkPiece(w, n, my_row, 0, bulk, piece) : -1;
+    int meta = tb + ts < te ? load_meta(tb + ts) : -1;
+    for (int t = tb; t < te; t += ts) {
+      const int t2 = t + ts;
       const char* row2 = nullptr;
-      float w2 = 1.f;
-      int n2 = 0, slot2 = -1;
+      float wt2 = 1.f;
+      int n2 = 0, slot2 = -1, src2 = lane;
       auto prefetch = [&]() {
-        if (t2 < c.T) {
-          n2 = gather(t2, row2, w2);
+        if (t2 < te) {
+          n2 = gather(t2, meta, row2, wt2, src2);
           slot2 = BulkPiece(w, n2, row2, 0, bulk, piece);
+          meta = t2 + ts < te ? load_meta(t2 + ts) : -1;
         }
       };
-      ReduceRowsBulk<TY, kHasW>(w, n, my_row, my_w, out_row(t), bulk, piece, slot, prefetch);
+      ReduceRowsBulk<TY, kHasW>(w, n, my_row, __shfl_sync(kFullMask, wt, src), out_row(t), bulk, piece, slot,
+                                prefetch);
       n = n2;
       my_row = row2;
-      my_w = w2;
+      wt = wt2;
+      src = src2;
       slot = slot2;
     }
   }
@@ -652,18 +682,19 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
+  PreferBulkCarveout(CombineStartKernel);
   CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
   // Bulk copies (bulk_copy.cuh) where a row fits a slot; a reducer's slot
-  // holds a piece of each of a token's (at most R, resp. K) rows, at least
-  // two pieces per row so that loading one overlaps summing the other.
+  // holds a piece of each of a token's (at most R, resp. K) rows: the whole
+  // rows where they fit (one rank), since the next token's first piece
+  // loads while this token's last one is summed.
   // JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
   const int max_rows = c.expert ? c.K : R;
   const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
   uint32_t slot_bytes = 0, piece = 0;
   if (BulkCopiesEnabled() && BulkWarpsFor(want_slot) > 0) {
     slot_bytes = static_cast<uint32_t>(want_slot);
-    const uint32_t half = static_cast<uint32_t>((w.payload_bytes / 2 + 15) / 16 * 16);
-    piece = std::max<uint32_t>(16, std::min<uint32_t>(half, slot_bytes / max_rows / 16 * 16));
+    piece = std::max<uint32_t>(16, slot_bytes / max_rows / 16 * 16);
   }
   const int threads = slot_bytes > 0 ? BulkWarpsFor(slot_bytes) * 32 : kThreads;
   int send_blocks = 0, recv_blocks = 0;

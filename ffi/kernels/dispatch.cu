@@ -413,6 +413,29 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 // of outputs. A receiver that is not ok still drains its chunks, and the
 // whole grid zeroes the outputs at the end.
 
+// What a sender needs of token t, one word per lane: lane j < R its row
+// position in rank j (-1: none), lane k < K its k-th expert id, weight and
+// (expert layout) rank among this rank's entries for that expert. Loaded a
+// token ahead of use so that no sender waits on them.
+struct TokenMeta {
+  int pos = -1, id = -1, rv = -1;
+  float wt = 0.f;
+};
+
+__device__ __forceinline__ TokenMeta LoadTokenMeta(const DispatchCfg& c, int R, const PushIO& io,
+                                                   const int* rie, int t) {
+  const int lane = LaneId();
+  TokenMeta m;
+  if (lane < R) m.pos = io.pos_in_rank[static_cast<size_t>(t) * R + lane];
+  if (lane < c.K) {
+    const size_t i = static_cast<size_t>(t) * c.K + lane;
+    m.id = io.topk[i];
+    m.wt = io.topk_w[i];
+    if (c.expert) m.rv = rie[i];
+  }
+  return m;
+}
+
 // Token t to the ranks in `dest` (lane j < R holds its row position in rank
 // j as `pos`, and lane_rows = where row 0 of this rank's slot for rank j
 // is: rank j's window, or for a GIN peer the staging area), payload
@@ -424,7 +447,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
 template <typename TIn, bool kCast, bool kBulk>
 __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWindow& w,
                                           const EpPeers& p, const PushIO& io, const int* scratch,
-                                          const int* rie, int t, int pos, unsigned dest,
+                                          int t, const TokenMeta& tm, unsigned dest,
                                           char* lane_rows, int local_prefix, BulkSlots& bulk,
                                           int slot) {
   static_assert(!(kBulk && kCast), "the cast needs the row in registers");
@@ -435,13 +458,8 @@ __device__ __forceinline__ void SendToken(const DispatchCfg& c, const DispatchWi
   const char* xrow = static_cast<const char*>(io.x) + t * in_row_bytes;
   const unsigned remote_mask = dest & ~(1u << r);
   const bool to_me = (dest >> r) & 1u;
-  int id = -1, rv = -1;
-  float wt = 0.f;
-  if (lane < K) {
-    id = io.topk[static_cast<size_t>(t) * K + lane];
-    wt = io.topk_w[static_cast<size_t>(t) * K + lane];
-    if (c.expert) rv = rie[static_cast<size_t>(t) * K + lane];
-  }
+  const int pos = tm.pos, id = tm.id, rv = tm.rv;
+  const float wt = tm.wt;
   const int drank = (id >= 0 && id < c.E) ? id / El : -1;
   // Lane j < R: this token's row in rank j's window.
   char* const lane_row = ((remote_mask >> lane) & 1u) ? lane_rows + static_cast<size_t>(pos) * w.row_bytes : nullptr;
@@ -745,29 +763,36 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
     const int stride = send_blocks * kWarps;
     const size_t in_row_bytes = static_cast<size_t>(c.H) * c.in_bytes;
     auto xrow = [&](int t) { return static_cast<const char*>(io.x) + t * in_row_bytes; };
-    // The first token at or after t that has rows to send, its row position
-    // per destination (lane j) and its destinations; c.T when none is left.
-    auto next_token = [&](int t, int& pos, unsigned& dest) {
-      for (; t < c.T; t += stride) {
-        pos = lane < R ? io.pos_in_rank[static_cast<size_t>(t) * R + lane] : -1;
-        dest = __ballot_sync(kFullMask, pos >= 0);
+    // The first token at or after t that has rows to send, with its
+    // metadata and destinations; c.T when none is left. `m` holds t's
+    // metadata on entry (loaded ahead); later candidates load here.
+    auto next_token = [&](int t, TokenMeta& m, unsigned& dest) {
+      for (bool first = true; t < c.T; t += stride, first = false) {
+        if (!first) m = LoadTokenMeta(c, R, io, rie, t);
+        dest = __ballot_sync(kFullMask, m.pos >= 0);
         if (!ok) dest &= ~(1u << r);  // peers still get their rows; our outputs get zeros
         if (dest != 0) return t;
       }
       return c.T;
     };
-    int pos = -1, slot = -1;
+    auto load_ahead = [&](int t) { return t < c.T ? LoadTokenMeta(c, R, io, rie, t) : TokenMeta{}; };
+    int slot = -1;
     unsigned dest = 0;
-    int t = next_token(gwarp, pos, dest);
+    TokenMeta m = load_ahead(gwarp);
+    int t = next_token(gwarp, m, dest);
     if (kBulk && t < c.T) slot = bulk.Load<0>(xrow(t), static_cast<uint32_t>(in_row_bytes));
+    TokenMeta m2 = load_ahead(t + stride);  // the next candidate's
     while (t < c.T) {
-      int pos2 = -1, slot2 = -1;
+      int slot2 = -1;
       unsigned dest2 = 0;
-      const int t2 = next_token(t + stride, pos2, dest2);
+      const int t2 = next_token(t + stride, m2, dest2);
       // kBulk: the next token's row loads while this one's is placed and
       // stored (two loads in flight: a warp's rows are latency-bound).
       if (kBulk && t2 < c.T) slot2 = bulk.Load<0>(xrow(t2), static_cast<uint32_t>(in_row_bytes));
-      SendToken<TIn, kCast, kBulk>(c, w, p, io, scratch, rie, t, pos, dest, lane_rows, s_prefix[r], bulk, slot);
+      // (Register copies: no deeper look-ahead, it would spill at 64 registers.)
+      const TokenMeta m3 = kBulk ? load_ahead(t2 + stride) : TokenMeta{};
+      SendToken<TIn, kCast, kBulk>(c, w, p, io, scratch, t, m, dest, lane_rows, s_prefix[r], bulk, slot);
+      const int pos = m.pos;
       const unsigned remote = dest & ~(1u << r);
       if constexpr (kBulk) {
         if (pend_remote != 0) {
@@ -780,7 +805,8 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
         tr.RowsWritten(Op::kDispatch, remote, lane_base, jl, pos, lane_sends, gin_channels);
       }
       t = t2;
-      pos = pos2;
+      m = m2;
+      m2 = kBulk ? m3 : load_ahead(t + stride);
       dest = dest2;
       slot = slot2;
     }
@@ -985,6 +1011,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};
 
+  PreferBulkCarveout(DispatchPrepKernel);
+  PreferBulkCarveout(DispatchControlKernel);
   DispatchPrepKernel<<<R + (c.expert ? c.E : 0), kPrepThreads, 0, stream>>>(c, w, p, a.topk_idx, a.pos_in_rank);
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);

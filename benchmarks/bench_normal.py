@@ -590,6 +590,18 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
             continue
           fc = smap(lambda y, hd, wr, n=n: jax_ep.combine(y, hd, wr, num_sms=n, backend="cuda"))
           bench("normal_combine", f"jax_ep_{n}sms", "bf16", fc, (recv, handle, row_w), bf16_row, n)
+      elif impl == "jax_ep_expert":
+        # The layout jax_ep.nn.MoE uses (rows per (token, expert), grouped by
+        # local expert): BF16 dispatch and combine on the same SMs.
+        f = smap(lambda x, i, w: disp(x, i, w, layout="expert", backend="cuda").recv_x)
+        bench("normal_dispatch", impl, "bf16", f, (x, topk_idx, w), bf16_row, sms)
+
+        def eparts(x, i, w):
+          o = disp(x, i, w, layout="expert", backend="cuda")
+          return o.recv_x, o.recv_topk_weights, o.handle
+        recv, rw, handle = jax.jit(smap(eparts))(x, topk_idx, w)
+        fc = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, backend="cuda"))
+        bench("normal_combine", impl, "bf16", fc, (recv, handle, rw), bf16_row, sms)
       elif impl == "jax_all_to_all":
         f = smap(functools.partial(_dense_all_to_all_dispatch, shape=shape, axis="ep"))
         bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_normal  # noqa: E402
 
 # First kernel of each op's launch sequence: a call starts there.
-_FIRST = {"dispatch": "DispatchPrepKernel", "combine": "CombineStartKernel"}
+_FIRST = {"dispatch": "DispatchSetupKernel", "combine": "CombineStartKernel"}
 
 
 def _short(name: str) -> str:

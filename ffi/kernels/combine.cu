@@ -55,15 +55,72 @@ struct CombineIO {
 };
 
 
-// One block: zero this op's counters, check that the handle describes a
-// dispatch of this communicator (so the senders never meet a row they cannot
-// place), tell every rank how many rows it will get from us, publish ok and
-// pass the start barrier. After it every rank sees the same ok words, so
-// either all send or none does; a receiver whose handle expects other row
-// counts than announced (e.g. this rank's dispatch failed) drains what comes
-// and reports instead of waiting for rows that never come.
-__global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c, CombineWindow w,
-                                                                     EpPeers p, CombineIO io) {
+// Expert layout: the handle's rows are checked and counted by scanner
+// blocks, CombineScan (1 + kCombineScanBlocks blocks in one launch with the
+// control block). A row of this rank's own token is not copied at all: its
+// scanner leaves a note in the row's [t][k] slot trailer (LocalNote), and
+// the reducers read the row straight from y.
+constexpr int kCombineScanBlocks = 32;
+
+// The trailer of slot [t][k] (16 bytes at weight_off): the row's weight, and
+// for a row of this rank's own token its y row and the op's epoch (so a
+// note left by an earlier op is never taken for this one's).
+struct LocalNote {
+  float weight;
+  int32_t row;
+  uint32_t tag;
+  uint32_t unused;
+};
+
+__device__ __forceinline__ void CombineScan(const CombineCfg& c, const CombineWindow& w, const EpPeers& p,
+                                            const CombineIO& io, int b, int blocks) {
+  __shared__ int s_send[kMaxRanks];
+  __shared__ int s_bad;
+  const int R = p.nranks, r = p.rank;
+  if (threadIdx.x < kMaxRanks) s_send[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  const uint32_t tag = static_cast<uint32_t>(*p.epoch + 1);  // the epoch this op's barrier uses
+  char* const my = p.base[r];
+  const int per = (c.C + blocks - 1) / blocks;
+  const int r0 = min(c.C, b * per), r1 = min(c.C, r0 + per);
+  bool bad = false;
+  for (int row = r0 + static_cast<int>(threadIdx.x); row < r1; row += blockDim.x) {
+    const int s = io.src_rank[row];
+    if (s < 0) continue;
+    const int t = io.src_token[row], k = io.src_k[row];
+    const bool b = s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
+    bad |= b;
+    if (b) continue;
+    atomicAdd(&s_send[s], 1);
+    if (s == r) {
+      LocalNote* note = reinterpret_cast<LocalNote*>(my + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes +
+                                                     w.weight_off);
+      *note = LocalNote{c.has_w ? io.weights[row] : 1.f, row, tag, 0u};
+    }
+  }
+  if (bad) s_bad = 1;
+  __syncthreads();
+  unsigned long long* ctr = p.epoch + kCombineScanCounters;
+  if (threadIdx.x < R && s_send[threadIdx.x] != 0) atomicAdd(ctr + threadIdx.x, static_cast<unsigned long long>(s_send[threadIdx.x]));
+  if (threadIdx.x == 0 && s_bad) atomicOr(ctr + kMaxRanks, 1ull);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(p.epoch + kCombineScanDoneCounter, 1ull);
+  }
+}
+
+// The control block: zero this op's counters, check that the handle
+// describes a dispatch of this communicator (so the senders never meet a row
+// they cannot place), tell every rank how many rows it will get from us,
+// publish ok and pass the start barrier. After it every rank sees the same
+// ok words, so either all send or none does; a receiver whose handle
+// expects other row counts than announced (e.g. this rank's dispatch failed)
+// drains what comes and reports instead of waiting for rows that never
+// come. Expert layout: what the `scanners` blocks found (CombineScan).
+__device__ __forceinline__ void CombineControl(const CombineCfg& c, const CombineWindow& w, const EpPeers& p,
+                                               const CombineIO& io, int scanners) {
   __shared__ int s_bad;
   __shared__ int s_sum;
   __shared__ int s_send[kMaxRanks];
@@ -83,17 +140,18 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
       atomicAdd(&s_sum, n);
       if (static_cast<int>(threadIdx.x) != r) s_send[threadIdx.x] = n;
     }
-  } else {
-    bool bad = false;
-    for (int row = threadIdx.x; row < c.C; row += blockDim.x) {
-      const int s = io.src_rank[row];
-      if (s < 0) continue;
-      const int t = io.src_token[row], k = io.src_k[row];
-      const bool b = s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
-      bad |= b;
-      if (!b) atomicAdd(&s_send[s], 1);
+  } else if (threadIdx.x == 0) {
+    volatile unsigned long long* done = p.epoch + kCombineScanDoneCounter;
+    while (*done < static_cast<unsigned long long>(scanners)) __nanosleep(64);
+    *done = 0;
+    __threadfence();
+    volatile unsigned long long* ctr = p.epoch + kCombineScanCounters;
+    for (int j = 0; j < R; ++j) {
+      s_send[j] = static_cast<int>(ctr[j]);
+      ctr[j] = 0;
     }
-    if (bad) s_bad = 1;
+    s_bad = ctr[kMaxRanks] != 0;
+    ctr[kMaxRanks] = 0;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -108,6 +166,12 @@ __global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c
     }
     PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), Op::kCombine);
   }
+}
+
+__global__ void __launch_bounds__(kStartThreads) CombineStartKernel(CombineCfg c, CombineWindow w,
+                                                                     EpPeers p, CombineIO io) {
+  if (blockIdx.x == 0) CombineControl(c, w, p, io, static_cast<int>(gridDim.x) - 1);
+  else CombineScan(c, w, p, io, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
 }
 
 // y row `row` and its weight into the window row `dst_row` (a peer's slot,
@@ -376,7 +440,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       const size_t staged = w.stage_off + static_cast<size_t>(sw) * w.row_bytes;
       for (int row = sw; sw < nsw && row < c.C; row += nsw) {
         const int s = io.src_rank[row];
-        if (s < 0) continue;
+        if (s < 0 || s == r) continue;  // own rows: read from y by the reducers (LocalNote)
         const int t = io.src_token[row], k = io.src_k[row];
         const size_t slot = w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
         char* const sbase = ShflPtr(lane_base, s);
@@ -431,7 +495,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       if (lane == 0) report_error(p, Op::kCombine, Cause::kBadIndex);
       const int nch = NumChunks(c.T, chunk);
       for (int j = 0; j < R; ++j) {
-        if (s_announced[j] <= 0) continue;
+        if (s_announced[j] <= 0 || (c.expert && j == r)) continue;  // own expert-layout rows are not counted
         // GIN: one signal per chunk (rank layout) or per row (expert layout).
         const int want = tr.AnnouncedCounts(j, s_announced[j], c.expert);
         int got = 0;
@@ -503,9 +567,9 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
       n = __popc(vmask);
       // Rows expected in t's chunk from each rank: count the chunk's entries.
       const int El = c.E / R;
-      unsigned need = 0;  // bit j: some entry of this token is on rank j
+      unsigned need = 0;  // bit j: some entry of this token is on rank j (not counted: this rank)
       if (valid) need = 1u << (id / El);
-      need = __reduce_or_sync(kFullMask, need);
+      need = __reduce_or_sync(kFullMask, need) & ~(1u << r);
       for (unsigned m = need; m && alive; m &= m - 1) {
         const int j = __ffs(m) - 1;
         // Each source's rows of the chunk of tokens t is in (its transport's
@@ -536,14 +600,29 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         const long long kl = __shfl_sync(kFullMask, key, l);
         rank_in_order += (kl >= 0 && kl < key) ? 1 : 0;
       }
+      int my_k = lane;
       for (int i = 0; i < n; ++i) {
         const unsigned who = __ballot_sync(kFullMask, valid && rank_in_order == i);
-        if (lane == i) {
-          const int k = __ffs(who) - 1;
-          my_row = my + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes;
+        if (lane == i) my_k = __ffs(who) - 1;
+      }
+      const int my_id = __shfl_sync(kFullMask, id, my_k);
+      if (lane < n) {
+        my_row = my + w.recv_off + (static_cast<size_t>(t) * c.K + my_k) * w.row_bytes;
+        if (my_id / El == r) {
+          // This rank's own row: straight from y, where the scanner's note says.
+          const LocalNote note = *reinterpret_cast<const LocalNote*>(my_row + w.weight_off);
+          const bool fresh = note.tag == static_cast<uint32_t>(*p.epoch) && note.row >= 0 && note.row < c.C;
+          if (!fresh) {
+            report_error(p, Op::kCombine, Cause::kBadIndex);
+            alive = false;
+          }
+          my_row = static_cast<const char*>(io.y) + static_cast<size_t>(fresh ? note.row : 0) * w.payload_bytes;
+          wt = note.weight;
+        } else if (kHasW && alive) {
+          wt = *reinterpret_cast<const float*>(my_row + w.weight_off);
         }
       }
-      if (kHasW && lane < n && alive) wt = *reinterpret_cast<const float*>(my_row + w.weight_off);
+      alive = __all_sync(kFullMask, alive);
     }
     my_row_out = my_row;
     wt_out = wt;
@@ -683,7 +762,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
                a.recv_src_k, a.recv_counts, a.out};
 
   PreferBulkCarveout(CombineStartKernel);
-  CombineStartKernel<<<1, kStartThreads, 0, stream>>>(c, w, p, io);
+  CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
   // Bulk copies (bulk_copy.cuh) where a row fits a slot; a reducer's slot
   // holds a piece of each of a token's (at most R, resp. K) rows: the whole
   // rows where they fit (one rank), since the next token's first piece
@@ -701,12 +780,10 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, &send_blocks, &recv_blocks);
   if (R == 1) {
-    // One rank: rank layout has nothing to send (a token's one row is read
-    // straight from y), so every CTA reduces; expert layout still copies
-    // each row into its [t][k] slot first: a third of the CTAs do that.
-    const int total = send_blocks;
-    send_blocks = c.expert ? std::max(1, total / 3) : 0;
-    recv_blocks = std::max(1, total - send_blocks);
+    // One rank: nothing to send (a token's rows are read straight from y),
+    // so every CTA reduces.
+    recv_blocks = std::max(1, send_blocks + recv_blocks);
+    send_blocks = 0;
   }
   const int grid = send_blocks + recv_blocks;
   cudaError_t err = cudaSuccess;

@@ -52,6 +52,15 @@ enum class Cause : uint32_t {
 // other bits (abort.h), so peers waiting there fail at once.
 constexpr unsigned long long kBarrierRefusedBit = 1ull << 63;
 
+// Device counter slot (comm.h) the dispatch setup kernel's prep blocks
+// count up as they finish; its control block waits for them and resets it.
+constexpr int kDispatchPrepCounter = 1;
+// The expert-layout combine's scanner blocks: how many are done (slot 6),
+// the rows they found per source rank and a bad-row flag (slots 16..24);
+// the control block reads and resets them.
+constexpr int kCombineScanDoneCounter = 6;
+constexpr int kCombineScanCounters = 16;
+
 // What a kernel knows about the communicator, passed by value.
 struct EpPeers {
   char* base[kMaxRanks];          // each rank's window, mapped here (LSA)

@@ -67,7 +67,7 @@ struct PushIO {
   const float* x_scales;
   const int32_t* topk;
   const float* topk_w;
-  const int32_t* pos_in_rank;
+  int32_t* pos_in_rank;  // written by the prep blocks, read by the data kernel
   void* recv_x;
   float* recv_scales;
   int32_t* recv_topk_idx;
@@ -94,6 +94,7 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // inside a step, a scan of the warp totals gives each warp's start. That is
 // exactly the sequential count in ascending order the reference uses.
 constexpr int kPrepWarps = kPrepThreads / 32;
+static_assert(kPrepThreads == kControlThreads, "prep and control blocks share one launch");
 static_assert(kPrepWarps <= 32, "one warp scans the warp totals");
 
 // Exclusive offset of this warp's total `n` (lane 0's value is used), and the
@@ -141,10 +142,9 @@ __device__ __forceinline__ bool TokenInRank(const DispatchCfg& c, const int32_t*
   return in;
 }
 
-__global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCfg c, DispatchWindow w,
-                                                                    EpPeers p,
-                                                                    const int32_t* __restrict__ topk,
-                                                                    int32_t* __restrict__ pos_in_rank) {
+__device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const DispatchWindow& w, const EpPeers& p,
+                                             const int32_t* __restrict__ topk,
+                                             int32_t* __restrict__ pos_in_rank, int b) {
   __shared__ int s_warp[kPrepWarps];
   __shared__ int s_bad;
   const int R = p.nranks;
@@ -156,7 +156,6 @@ __global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCf
   const bool aligned16 = (reinterpret_cast<uintptr_t>(topk) & 15u) == 0;
   if (threadIdx.x == 0) s_bad = 0;
   __syncthreads();
-  const int b = blockIdx.x;
   if (b < R) {
     const int j = b, lo = j * c.El, hi = lo + c.El;
     const bool vec4 = aligned16 && c.K % 4 == 0;
@@ -250,16 +249,22 @@ __global__ void __launch_bounds__(kPrepThreads, 1) DispatchPrepKernel(DispatchCf
     }
     if (threadIdx.x == 0) scratch[sc.entries_per_expert + e] = total;
   }
+  // Done: the control block may read what thread 0 wrote into the scratch.
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(p.epoch + kDispatchPrepCounter, 1ull);
+  }
 }
 
 // ---------------------------------------------------------------- control
 // One block. Start barrier (peers are done reading our area from the previous
 // op), counts to every receiver, barrier, then this rank's output offsets and
 // the capacity check. Counts slot i of source s: [0] token rows, [1] (t, k)
-// entries, [2 + e] entries for local expert e (expert layout only).
-__global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(DispatchCfg c,
-                                                                          DispatchWindow w,
-                                                                          EpPeers p, PushIO io) {
+// entries, [2 + e] entries for local expert e (expert layout only). The
+// prep blocks of the same grid run meanwhile; the counts wait for them
+// (`prep_blocks` of them count kDispatchPrepCounter up; this block resets it).
+__device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const DispatchWindow& w,
+                                                const EpPeers& p, const PushIO& io, int prep_blocks) {
   using Scan = cub::BlockScan<int, kControlThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int s_fail;
@@ -284,7 +289,7 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   // reads it while thread 0 is in the start barrier, instead of before it.
   if (tid == 32) s_err = has_error(p);
   if (tid == 0) {
-    bool fail = scratch[DispatchScratch::kBadIds] != 0;
+    bool fail = false;
     // What every rank must have called with: what the window geometry and
     // the received rows follow from (not the capacity, the receiver's own
     // business, nor ue8m0, the sender's), checked before any row moves.
@@ -299,6 +304,13 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
     PublishConfig(p, cfg);
     if (!rank_barrier(p, Op::kDispatch)) fail = true;
     else if (!PeersShareConfig(p, Op::kDispatch)) fail = true;
+    // The prep blocks' scratch words (read below, volatile: other SMs wrote
+    // them during this kernel).
+    volatile unsigned long long* done = p.epoch + kDispatchPrepCounter;
+    while (*done < static_cast<unsigned long long>(prep_blocks)) __nanosleep(64);
+    *done = 0;
+    __threadfence();
+    if (static_cast<volatile int*>(scratch)[DispatchScratch::kBadIds] != 0) fail = true;
     s_fail = fail;
     s_tag = *p.epoch;
     s_badpeer = 0;
@@ -309,14 +321,15 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
   if (!s_fail) {
     for (int idx = tid; idx < R * nslots; idx += blockDim.x) {
       const int j = idx / nslots, i = idx % nslots;
+      const volatile int* prep = scratch;  // written by the prep blocks
       int v = 0;
       if (i == 0) {
-        v = scratch[sc.tokens_per_rank + j];
+        v = prep[sc.tokens_per_rank + j];
       } else if (i == 1) {
         if (c.expert)
-          for (int e = 0; e < El; ++e) v += scratch[sc.entries_per_expert + j * El + e];
+          for (int e = 0; e < El; ++e) v += prep[sc.entries_per_expert + j * El + e];
       } else {
-        v = scratch[sc.entries_per_expert + j * El + (i - 2)];
+        v = prep[sc.entries_per_expert + j * El + (i - 2)];
       }
       const uint64_t word = MakeTagged(s_tag, static_cast<uint32_t>(v));
       // A GIN peer's row is staged here; thread 0 puts it below.
@@ -392,6 +405,16 @@ __global__ void __launch_bounds__(kControlThreads) DispatchControlKernel(Dispatc
     if (!c.expert) io.counts[tid] = v;
   }
   if (c.expert && tid < El) io.counts[tid] = ok ? padded : 0;
+}
+
+// One launch for both: block 0 is the control block, blocks 1.. the prep
+// blocks (ranks, then experts), so the start barrier (waiting for the
+// peers) overlaps the prep instead of following it. Only block 0 waits,
+// and only for blocks that never wait, so residency does not matter.
+__global__ void __launch_bounds__(kControlThreads, 1) DispatchSetupKernel(DispatchCfg c, DispatchWindow w,
+                                                                         EpPeers p, PushIO io) {
+  if (blockIdx.x == 0) DispatchControl(c, w, p, io, static_cast<int>(gridDim.x) - 1);
+  else DispatchPrep(c, w, p, io.topk, io.pos_in_rank, static_cast<int>(blockIdx.x) - 1);
 }
 
 // ---------------------------------------------------------------- data
@@ -1011,11 +1034,9 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};
 
-  PreferBulkCarveout(DispatchPrepKernel);
-  PreferBulkCarveout(DispatchControlKernel);
-  DispatchPrepKernel<<<R + (c.expert ? c.E : 0), kPrepThreads, 0, stream>>>(c, w, p, a.topk_idx, a.pos_in_rank);
+  PreferBulkCarveout(DispatchSetupKernel);
   const int nslots = c.expert ? w.counts_stride : 2;
-  DispatchControlKernel<<<1, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
+  DispatchSetupKernel<<<1 + R + (c.expert ? c.E : 0), kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;

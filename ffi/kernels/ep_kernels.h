@@ -4,9 +4,10 @@
 //
 // Both ops are a short sequence of kernels on one stream (a kernel boundary
 // is the grid barrier; a few µs each):
-//   dispatch: prep (pos_in_rank, per-expert ranks, the row -> token maps) ->
-//             control (zero chunk counters, start barrier, counts exchange,
-//             barrier, offsets, capacity) -> data (sending CTAs push rows
+//   dispatch: setup, one launch of two roles: prep blocks (pos_in_rank,
+//             per-expert ranks) beside the control block (zero chunk
+//             counters, start barrier, then, once the prep blocks are done,
+//             counts exchange, barrier, offsets, capacity) -> data (sending CTAs push rows
 //             into peers' windows and local rows to the outputs; receiving
 //             CTAs copy each chunk of window rows to the outputs as soon as
 //             its count is complete).

@@ -19,8 +19,6 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#include "ep_kernels.h"
-
 // Bulk copies and mbarriers with transaction counts need sm_90. On other
 // targets the methods trap; the host never selects bulk copies there
 // (BulkCopiesEnabled checks the device).
@@ -188,17 +186,6 @@ __device__ __forceinline__ BulkSlots WarpBulkSlots(char* rows, uint64_t* bars, u
 template <typename Kernel>
 inline cudaError_t AllowBulkSmem(Kernel kernel, size_t smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-}
-
-// The small kernels that run between bulk data kernels (prep, control,
-// combine start) ask for the carveout those leave the SMs in (all shared
-// memory), so the SMs need not switch their L1 / shared split twice per op.
-// A guess at why they ran 2.4 + 1.2 µs longer after bulk data kernels
-// (benchmarks/RESULTS.md, session 10 run 3); a hint the driver may ignore.
-template <typename Kernel>
-inline void PreferBulkCarveout(Kernel kernel) {
-  if (BulkCopiesEnabled())
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
 }
 
 // After acquiring a peer's count (generic proxy, lane 0 or the whole warp):

@@ -1,8 +1,9 @@
-// Normal (high-throughput) combine: the expert side pushes every row (and its
-// weight) back into the source rank's window (through transport.cuh: LSA or
-// GIN per peer), at a slot the source
-// can find without any index exchange: rank layout [my rank][pos_in_rank],
-// expert layout [token][k]. Reducers on the source wait per chunk of rows
+// Normal (high-throughput) combine: the expert side pushes every row of
+// another rank's token (and its weight) back into the source rank's window
+// (through transport.cuh: LSA or GIN per peer), at a slot the source can
+// find without any index exchange: rank layout [my rank][pos_in_rank],
+// expert layout [token][k]. Rows of this rank's own tokens stay where they
+// are: the reducers read them from y (docs/design.md §1). Reducers on the source wait per chunk of rows
 // (window_layout.h) and sum each token's rows in the fixed order of docs/design.md §2
 // (ascending destination rank, then local expert, then k) in f32 with
 // __fmul_rn / __fadd_rn (never contracted to FMA), which is exactly
@@ -761,7 +762,6 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
-  PreferBulkCarveout(CombineStartKernel);
   CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
   // Bulk copies (bulk_copy.cuh) where a row fits a slot; a reducer's slot
   // holds a piece of each of a token's (at most R, resp. K) rows: the whole

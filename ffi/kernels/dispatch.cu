@@ -1034,7 +1034,6 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};
 
-  PreferBulkCarveout(DispatchSetupKernel);
   const int nslots = c.expert ? w.counts_stride : 2;
   DispatchSetupKernel<<<1 + R + (c.expert ? c.E : 0), kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 

@@ -558,21 +558,24 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
       if impl in ("jax_ep", "reference", "jax_ep_checked"):
         backend = "reference" if impl == "reference" else "cuda"
         nsms = None if impl == "reference" else sms
-        f_bf16 = smap(lambda x, i, w, b=backend: disp(x, i, w, backend=b).recv_x)
+        # The SM budget is passed, not left to the default (which at one
+        # rank is every SM), so the records' `sms` is what ran.
+        kw = dict(backend=backend, num_sms=nsms)
+        f_bf16 = smap(lambda x, i, w: disp(x, i, w, **kw).recv_x)
         bench("normal_dispatch", impl, "bf16", f_bf16, (x, topk_idx, w), bf16_row, nsms)
         if impl != "jax_ep_checked":
-          f_fp8 = smap(lambda q, s, i, w, b=backend: disp((q, s), i, w, backend=b).recv_x)
+          f_fp8 = smap(lambda q, s, i, w: disp((q, s), i, w, **kw).recv_x)
           bench("normal_dispatch", impl, "fp8", f_fp8, (*x_fp8, topk_idx, w), fp8_row, nsms)
-          f_cast = smap(lambda x, i, w, b=backend: disp(x, i, w, fp8=True, backend=b).recv_x)
+          f_cast = smap(lambda x, i, w: disp(x, i, w, fp8=True, **kw).recv_x)
           bench("normal_dispatch", impl + "_cast", "fp8",
                 f_cast, (x, topk_idx, w), fp8_row, nsms)
 
-        def comb(x, i, w, b=backend):
-          out = disp(x, i, w, backend=b)
+        def comb(x, i, w):
+          out = disp(x, i, w, **kw)
           return out.recv_x, out.recv_topk_weights, out.handle
         recv, rw, handle = jax.jit(smap(comb))(x, topk_idx, w)
         row_w = rw.max(axis=-1)  # a per-row weight (rank layout rows carry K weights)
-        f_comb = smap(lambda y, hd, wr, b=backend: jax_ep.combine(y, hd, wr, backend=b))
+        f_comb = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, **kw))
         bench("normal_combine", impl, "bf16", f_comb, (recv, handle, row_w), bf16_row, nsms)
       elif impl == "jax_ep_sms":
         # What more SMs than the 24 of the bar buy (issue 12): the same BF16
@@ -593,14 +596,14 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
       elif impl == "jax_ep_expert":
         # The layout jax_ep.nn.MoE uses (rows per (token, expert), grouped by
         # local expert): BF16 dispatch and combine on the same SMs.
-        f = smap(lambda x, i, w: disp(x, i, w, layout="expert", backend="cuda").recv_x)
+        f = smap(lambda x, i, w: disp(x, i, w, layout="expert", num_sms=sms, backend="cuda").recv_x)
         bench("normal_dispatch", impl, "bf16", f, (x, topk_idx, w), bf16_row, sms)
 
         def eparts(x, i, w):
-          o = disp(x, i, w, layout="expert", backend="cuda")
+          o = disp(x, i, w, layout="expert", num_sms=sms, backend="cuda")
           return o.recv_x, o.recv_topk_weights, o.handle
         recv, rw, handle = jax.jit(smap(eparts))(x, topk_idx, w)
-        fc = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, backend="cuda"))
+        fc = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, num_sms=sms, backend="cuda"))
         bench("normal_combine", impl, "bf16", fc, (recv, handle, rw), bf16_row, sms)
       elif impl == "jax_all_to_all":
         f = smap(functools.partial(_dense_all_to_all_dispatch, shape=shape, axis="ep"))

@@ -40,6 +40,21 @@ def _pair(x, key, *, E: int, K: int, backend: str):
   return jax_ep.combine(o.recv_x, o.handle, o.recv_topk_weights, backend=backend)
 
 
+def memory_growth(mems: list[list[int]]) -> tuple:
+  """(growth, swing) in bytes over per-chunk samples of bytes in use per
+  device. A leak raises the floor; a buffer that XLA frees a little late
+  comes and goes (session 11 run 3: one 4 MiB output, up and down from chunk
+  to chunk). So growth is the lowest sample of the later half minus the
+  lowest of the earlier half, the worst device; swing the largest range."""
+  if len(mems) < 2:
+    return None, None
+  half = len(mems) // 2
+  devs = range(len(mems[0]))
+  growth = max(min(m[d] for m in mems[half:]) - min(m[d] for m in mems[:half]) for d in devs)
+  swing = max(max(m[d] for m in mems) - min(m[d] for m in mems) for d in devs)
+  return growth, swing
+
+
 def run_soak(mesh, *, backend: str, pairs: int, chunk: int, max_seconds: float, tokens: int,
              hidden: int, check=lambda: None) -> dict:
   """The soak on `mesh` (axis "ep"); `check` raises on a device error (the
@@ -67,7 +82,8 @@ def run_soak(mesh, *, backend: str, pairs: int, chunk: int, max_seconds: float, 
   def mem():
     return [(d.memory_stats() or {}).get("bytes_in_use", 0) for d in devices]
 
-  done, chunks, t0, mem0, mem_max, status = 0, 0, None, None, None, "ok"
+  done, chunks, t0, status = 0, 0, None, "ok"
+  mems = []  # bytes in use per device after each timed chunk
   try:
     while done < pairs:
       key = jax.random.key(1000 + chunks)
@@ -79,10 +95,10 @@ def run_soak(mesh, *, backend: str, pairs: int, chunk: int, max_seconds: float, 
         break
       m = mem()
       if t0 is None:  # the first chunk compiles: time and memory from the second on
-        t0, mem0, mem_max = time.perf_counter(), m, m
+        t0 = time.perf_counter()
       else:
         done += chunk
-        mem_max = [max(a, b) for a, b in zip(mem_max, m)]
+      mems.append(m)
       chunks += 1
       el = time.perf_counter() - t0
       print(f"  {done:7d} pairs  {el:7.1f} s  bytes in use {m}", flush=True)
@@ -91,10 +107,11 @@ def run_soak(mesh, *, backend: str, pairs: int, chunk: int, max_seconds: float, 
   except Exception as e:  # noqa: BLE001 - record what stopped it
     status = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
   el = time.perf_counter() - t0 if t0 else None
-  growth = None if mem0 is None else max(b - a for a, b in zip(mem0, mem_max))
+  growth, swing = memory_growth(mems)
   return dict(bench="soak", impl=f"jax_ep[{backend}]", ranks=R, tokens_per_rank=T, hidden=H,
               topk=K, experts=E, pairs=done, chunk=chunk, seconds=el,
               pairs_per_s=(done / el) if el and done else None, memory_growth_bytes=growth,
+              memory_swing_bytes=swing,
               status=status)
 
 

@@ -185,6 +185,16 @@ def test_soak_runs_on_cpu_with_the_reference():
   assert rec["pairs"] == 6 and rec["pairs_per_s"] > 0
 
 
+def test_soak_memory_growth_ignores_churn_and_sees_a_leak():
+  growth = _bench("soak").memory_growth
+  mib = 1 << 20
+  churn = [[12 * mib], [16 * mib], [12 * mib], [16 * mib], [16 * mib], [12 * mib]]
+  assert growth(churn) == (0, 4 * mib)
+  leak = [[12 * mib + i * mib] for i in range(6)]
+  assert growth(leak)[0] == 3 * mib
+  assert growth([[1]]) == (None, None)
+
+
 def test_bench_normal_warms_every_variant_up_before_it_times_any(monkeypatch):
   """Issue 12: all of bench_normal's variants are compiled and run once
   before the first is timed (a variant timed first must not meet a colder

@@ -911,25 +911,46 @@ static int EnvInt(const char* name) {
   return env ? std::atoi(env) : 0;
 }
 
+// fn(device) for the current device, asked once per device (0 in `cache`:
+// not asked yet; fn returns > 0); `fallback` where the device is unknown.
+template <typename F>
+static int OncePerDevice(std::atomic<int> (&cache)[64], int fallback, F fn) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return fallback;
+  if (dev < 64) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v != 0) return v;
+  }
+  const int v = fn(dev);
+  if (dev < 64) cache[dev].store(v, std::memory_order_relaxed);
+  return v;
+}
+
 bool BulkCopiesEnabled() {
   static const bool on = [] {
     const char* e = std::getenv("JAX_EP_BULK");
     return !(e && std::strcmp(e, "0") == 0);
   }();
   if (!on) return false;
-  // The current device (the launch's): sm_90 or newer with the shared
-  // memory the slots and the kernels' static shared memory take. Asked
-  // once per device (0: not asked yet, 1: no, 2: yes).
-  static std::atomic<int8_t> known[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (dev < 64 && known[dev].load(std::memory_order_relaxed) != 0) return known[dev] == 2;
-  int major = 0, optin = 0;
-  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-                  major >= 9 && static_cast<size_t>(optin) >= kBulkSmemBytes + 1024;
-  if (dev < 64) known[dev].store(ok ? 2 : 1, std::memory_order_relaxed);
-  return ok;
+  // The launch's device: sm_90 or newer with the shared memory the slots
+  // and the kernels' static shared memory take (1: no, 2: yes).
+  static std::atomic<int> known[64] = {};
+  return OncePerDevice(known, 1, [](int dev) {
+           int major = 0, optin = 0;
+           const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                           cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+                           major >= 9 && static_cast<size_t>(optin) >= kBulkSmemBytes + 1024;
+           return ok ? 2 : 1;
+         }) == 2;
+}
+
+// SMs of the launch's device (24, the budget, where it cannot be asked).
+static int DeviceSms() {
+  static std::atomic<int> known[64] = {};
+  return OncePerDevice(known, 24, [](int dev) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && n > 0 ? n : 24;
+  });
 }
 
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
@@ -950,10 +971,12 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     const double per_cta = warps_per_block * 32.0 * kUnroll * 16.0;
     double ctas = std::ceil(bytes_in_flight / per_cta);
     if (num_ranks > 1) ctas = std::ceil(ctas * num_ranks / (num_ranks - 1.0));
-    // One rank: no link to size for, the whole budget copies through HBM
-    // (at EP1, 14 CTAs left the local copy SM-bound: benchmarks/RESULTS.md).
-    if (num_ranks == 1) ctas = 24.0;
     cap = static_cast<int>(std::min(ctas, 24.0));
+    // One rank: no link and no peer, so nothing to leave SMs for; the op is
+    // a local copy (HBM to HBM) on the step's critical path, bound by the
+    // SMs it gets (benchmarks/RESULTS.md, session 10: 24 CTAs 1.7 x slower
+    // than 132 in dispatch): every SM, like XLA's own copies.
+    if (num_ranks == 1) cap = DeviceSms();
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
   return std::max(1, std::min(cap, needed));

@@ -61,7 +61,8 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
       work (cached dispatch); `capacity`/`layout` come from the handle.
     num_sms, recv_sms: CUDA kernels only (static): CTAs (one per SM) of the
       data kernel and how many of them receive; None = the bandwidth model's
-      choice (24 at most). The reference ignores them.
+      choice (24 at most; every SM at one rank, where nothing crosses a link).
+      The reference ignores them.
   Returns:
     DispatchOutput(recv_x, recv_topk_idx, recv_topk_weights, counts, handle);
     see `jax_ep.DispatchOutput` for the shapes of each layout.

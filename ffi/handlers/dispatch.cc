@@ -83,6 +83,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   a.expert_alignment = expert_alignment;
   a.layout = layout == 1 ? EpLayout::kExpert : EpLayout::kRank;
   a.num_sms = num_sms;
+  a.start = start != 0;
   a.recv_sms = recv_sms;
 
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
@@ -194,6 +195,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   a.capacity = static_cast<int>(C);
   a.layout = layout == 1 ? EpLayout::kExpert : EpLayout::kRank;
   a.num_sms = num_sms;
+  a.start = start != 0;
   a.recv_sms = recv_sms;
   a.out = out->untyped_data();
   if (std::string msg = ValidateCombine(a, peers); !msg.empty()) return Invalid(kOp, msg);

@@ -66,7 +66,7 @@ constexpr int kCombineScanBlocks = 32;
 // The trailer of slot [t][k] (16 bytes at weight_off): the row's weight, and
 // for a row of this rank's own token its y row and the op's epoch (so a
 // note left by an earlier op is never taken for this one's).
-struct LocalNote {
+struct alignas(16) LocalNote {
   float weight;
   int32_t row;
   uint32_t tag;
@@ -90,9 +90,9 @@ __device__ __forceinline__ void CombineScan(const CombineCfg& c, const CombineWi
     const int s = io.src_rank[row];
     if (s < 0) continue;
     const int t = io.src_token[row], k = io.src_k[row];
-    const bool b = s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
-    bad |= b;
-    if (b) continue;
+    const bool wrong = s >= R || t < 0 || t >= c.T || k < 0 || k >= c.K;
+    bad |= wrong;
+    if (wrong) continue;
     atomicAdd(&s_send[s], 1);
     if (s == r) {
       LocalNote* note = reinterpret_cast<LocalNote*>(my + w.recv_off + (static_cast<size_t>(t) * c.K + k) * w.row_bytes +
@@ -142,16 +142,13 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
       if (static_cast<int>(threadIdx.x) != r) s_send[threadIdx.x] = n;
     }
   } else if (threadIdx.x == 0) {
-    volatile unsigned long long* done = p.epoch + kCombineScanDoneCounter;
-    while (*done < static_cast<unsigned long long>(scanners)) __nanosleep(64);
-    *done = 0;
-    __threadfence();
+    const bool waited = WaitBlocksDone(p, p.epoch + kCombineScanDoneCounter, scanners, Op::kCombine);
     volatile unsigned long long* ctr = p.epoch + kCombineScanCounters;
     for (int j = 0; j < R; ++j) {
       s_send[j] = static_cast<int>(ctr[j]);
       ctr[j] = 0;
     }
-    s_bad = ctr[kMaxRanks] != 0;
+    s_bad = !waited || ctr[kMaxRanks] != 0;
     ctr[kMaxRanks] = 0;
   }
   __syncthreads();
@@ -530,6 +527,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   // complete while the previous token is summed. n = 0 after a timeout
   // (the token gets zeros).
   int chunk_of = -1, chunk_cnt = 0;  // expert layout: lane j's cached chunk count (gather)
+  const uint32_t epoch32 = static_cast<uint32_t>(*p.epoch);  // this op's (LocalNote tags)
   auto gather = [&](int t, int meta, const char*& my_row_out, float& wt_out, int& src_out) {
     int n = 0;
     const char* my_row = nullptr;
@@ -612,7 +610,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
         if (my_id / El == r) {
           // This rank's own row: straight from y, where the scanner's note says.
           const LocalNote note = *reinterpret_cast<const LocalNote*>(my_row + w.weight_off);
-          const bool fresh = note.tag == static_cast<uint32_t>(*p.epoch) && note.row >= 0 && note.row < c.C;
+          const bool fresh = note.tag == epoch32 && note.row >= 0 && note.row < c.C;
           if (!fresh) {
             report_error(p, Op::kCombine, Cause::kBadIndex);
             alive = false;
@@ -778,7 +776,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   const int threads = slot_bytes > 0 ? BulkWarpsFor(slot_bytes) * 32 : kThreads;
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
-  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, &send_blocks, &recv_blocks);
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);
   if (R == 1) {
     // One rank: nothing to send (a token's rows are read straight from y),
     // so every CTA reduces.

@@ -55,11 +55,11 @@ constexpr unsigned long long kBarrierRefusedBit = 1ull << 63;
 // Device counter slot (comm.h) the dispatch setup kernel's prep blocks
 // count up as they finish; its control block waits for them and resets it.
 constexpr int kDispatchPrepCounter = 1;
-// The expert-layout combine's scanner blocks: how many are done (slot 6),
-// the rows they found per source rank and a bad-row flag (slots 16..24);
-// the control block reads and resets them.
-constexpr int kCombineScanDoneCounter = 6;
+// The expert-layout combine's scanner blocks: the rows they found per source
+// rank and a bad-row flag (slots 16..24), how many are done (slot 25); the
+// control block reads and resets them. (Slots 2..15: low_latency.cuh.)
 constexpr int kCombineScanCounters = 16;
+constexpr int kCombineScanDoneCounter = kCombineScanCounters + kMaxRanks + 1;
 
 // What a kernel knows about the communicator, passed by value.
 struct EpPeers {

@@ -306,10 +306,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     else if (!PeersShareConfig(p, Op::kDispatch)) fail = true;
     // The prep blocks' scratch words (read below, volatile: other SMs wrote
     // them during this kernel).
-    volatile unsigned long long* done = p.epoch + kDispatchPrepCounter;
-    while (*done < static_cast<unsigned long long>(prep_blocks)) __nanosleep(64);
-    *done = 0;
-    __threadfence();
+    if (!WaitBlocksDone(p, p.epoch + kDispatchPrepCounter, prep_blocks, Op::kDispatch)) fail = true;
     if (static_cast<volatile int*>(scratch)[DispatchScratch::kBadIds] != 0) fail = true;
     s_fail = fail;
     s_tag = *p.epoch;
@@ -953,7 +950,7 @@ static int DeviceSms() {
   });
 }
 
-int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks) {
+int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute) {
   static const int env_sms = EnvInt("JAX_EP_NUM_SMS");
   int cap = requested > 0 ? requested : env_sms;
   if (cap <= 0) {
@@ -975,16 +972,19 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     // One rank: no link and no peer, so nothing to leave SMs for; the op is
     // a local copy (HBM to HBM) on the step's critical path, bound by the
     // SMs it gets (benchmarks/RESULTS.md, session 10: 24 CTAs 1.7 x slower
-    // than 132 in dispatch): every SM, like XLA's own copies.
-    if (num_ranks == 1) cap = DeviceSms();
+    // than 132 in dispatch): every SM, like XLA's own copies -- unless it
+    // runs beside the compute it should overlap (a *_start), which keeps
+    // the budget.
+    if (num_ranks == 1 && !beside_compute) cap = DeviceSms();
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
   return std::max(1, std::min(cap, needed));
 }
 
 void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
-                     int num_ranks, double recv_share, int* send_blocks, int* recv_blocks) {
-  const int total = ChooseNumBlocks(requested, work_items, warps_per_block, num_ranks);
+                     int num_ranks, double recv_share, bool beside_compute, int* send_blocks,
+                     int* recv_blocks) {
+  const int total = ChooseNumBlocks(requested, work_items, warps_per_block, num_ranks, beside_compute);
   static const int env_recv = EnvInt("JAX_EP_RECV_SMS");
   int q = 0;
   if (num_ranks > 1) {
@@ -1071,7 +1071,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   // Receivers copy HBM to HBM what the link brings in: half of the CTAs
   // (measured: 12/12 of 24 beat 16/8 by 9 us at the Normal shape); a quarter
   // when the senders also quantise and the rows are half as long.
-  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, &send_blocks,
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, a.start, &send_blocks,
                   &recv_blocks);
   const int grid = send_blocks + recv_blocks;
   if (bulk_warps > 0) {

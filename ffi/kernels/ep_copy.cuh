@@ -157,6 +157,27 @@ __device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
   }
 }
 
+// One thread: wait until `n` blocks of this launch have counted `*done` up
+// (each adds 1 once its writes are fenced), then reset it for the next op
+// and order their writes before this thread's later reads. Those blocks
+// never wait, so this ends unless the GPU cannot schedule them beside this
+// one (a partition of one SM): then it reports after the op's timeout and
+// returns false.
+__device__ inline bool WaitBlocksDone(const EpPeers& p, unsigned long long* done, int n, Op op) {
+  volatile unsigned long long* v = done;
+  const unsigned long long t0 = globaltimer_ns();
+  while (*v < static_cast<unsigned long long>(n)) {
+    if (globaltimer_ns() - t0 > p.timeout_ns) {
+      report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(p.rank));
+      return false;
+    }
+    __nanosleep(64);
+  }
+  *v = 0;
+  __threadfence();
+  return true;
+}
+
 // The warp has finished storing its rows to the destinations in `mask`; lane
 // j holds the chunk counter of its row in rank j's window. Make the rows
 // visible system-wide, then count each. bar.warp.sync orders the other

@@ -28,9 +28,11 @@ namespace jax_ep {
 // Splits the data kernel's CTAs (ChooseNumBlocks) into senders and
 // receivers (dispatch) / reducers (combine): `recv_requested` of them
 // (the op's recv_sms argument) if > 0, else JAX_EP_RECV_SMS (debugging, read
-// once) if set, else `recv_share` of them.
+// once) if set, else `recv_share` of them. `beside_compute`: the op runs on
+// the side stream next to compute it is meant to overlap (a *_start).
 void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
-                     int num_ranks, double recv_share, int* send_blocks, int* recv_blocks);
+                     int num_ranks, double recv_share, bool beside_compute, int* send_blocks,
+                     int* recv_blocks);
 
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
@@ -59,6 +61,7 @@ struct DispatchArgs {
   EpLayout layout = EpLayout::kRank;
   int num_sms = 0;                     // CTAs of the data kernels; 0 = model / env
   int recv_sms = 0;                    // of them receiving; 0 = model / env
+  bool start = false;                  // dispatch_start: on the side stream, beside compute
   // Outputs.
   void* recv_x = nullptr;              // [C, H] (e4m3 when FP8)
   float* recv_scales = nullptr;        // [C, H/128] when FP8 (input or cast), else null
@@ -90,6 +93,7 @@ struct CombineArgs {
   EpLayout layout = EpLayout::kRank;
   int num_sms = 0;
   int recv_sms = 0;                       // reducers among num_sms; 0 = model / env
+  bool start = false;                     // combine_start: on the side stream, beside compute
   void* out = nullptr;                    // [T, H] of y_dtype
 };
 
@@ -110,6 +114,6 @@ size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout
 
 // CTAs for the data-moving kernels, from a bandwidth model (see dispatch.cu);
 // `requested` > 0 or env JAX_EP_NUM_SMS override it.
-int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks);
+int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute);
 
 }  // namespace jax_ep

@@ -35,6 +35,8 @@ constexpr int kLlResetCounter = 8;         // 1 while CTA 0's layout reset is do
 constexpr int kLlDispatchRecvCounter = 9;  // sequence number of the last dispatch received
 constexpr int kLlCombineRecvCounter = 10;
 constexpr int kLlLayoutCounter = 11;       // 5 slots: the layout (M, H, K, E, reserved) in use
+static_assert(kLlLayoutCounter + 5 <= kCombineScanCounters && kLlDispatchSeqCounter > kDispatchPrepCounter,
+              "the low-latency counter slots overlap others (comm.h)");
 
 constexpr size_t kLlAlign = 256;
 

@@ -50,8 +50,12 @@
 //                             [s][p] = my row for source s's slot [me][p];
 //                             GIN peers, expert layout: one row per sending
 //                             warp, put to the slot [t][k] one at a time
-// A combine row: payload (H * y elem bytes, padded to 16), weight f32 padded
-// to 16.
+// A combine row: payload (H * y elem bytes, padded to 16), then a 16-byte
+// trailer: the weight f32, and in expert layout for a row of this rank's own
+// token (never copied) its y row and the op's epoch (combine.cu LocalNote,
+// written by the start kernel before the start barrier, as dispatch's rie;
+// a peer that was given up on in an earlier op could still overwrite it,
+// but then the next op is refused anyway).
 //
 // Bytes the window needs (see WindowBytesNeeded; mirrored in Python by
 // jax_ep._ffi_dispatch.window_bytes_needed):
@@ -94,7 +98,7 @@ struct DispatchScratch {
   // Fixed slots.
   static constexpr int kOk = 0;          // 1: this op may write outputs
   // slot 1 unused
-  static constexpr int kBadIds = 2;      // set by the prep kernel
+  static constexpr int kBadIds = 2;      // set by the prep blocks
   static constexpr int kSendOk = 3;      // 1: every rank agreed to send (counts exchanged)
   static constexpr int kFixed = 16;
   // Arrays (i32 offsets into scratch).

@@ -61,7 +61,8 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
       work (cached dispatch); `capacity`/`layout` come from the handle.
     num_sms, recv_sms: CUDA kernels only (static): CTAs (one per SM) of the
       data kernel and how many of them receive; None = the bandwidth model's
-      choice (24 at most; every SM at one rank, where nothing crosses a link).
+      choice (24 at most; every SM at one rank, where nothing crosses a link,
+      except in the *_start forms, which run beside compute).
       The reference ignores them.
   Returns:
     DispatchOutput(recv_x, recv_topk_idx, recv_topk_weights, counts, handle);

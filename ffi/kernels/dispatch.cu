@@ -85,8 +85,9 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 
 // ---------------------------------------------------------------- prep
 // Blocks [0, R): pos_in_rank[:, j] (ascending t) and tokens_per_rank[j];
-// block 0 also checks every id. Blocks [R, R+E) (expert layout): rie[t, k] =
-// rank of (t, k) among this rank's entries for expert e, in (t, k) order.
+// block 0 also checks every id. Blocks from R on (expert layout), one per
+// kPrepExperts experts: rie[t, k] = rank of (t, k) among this rank's entries
+// for its expert e, in (t, k) order, and the entries per expert.
 //
 // Each warp owns a contiguous span of tokens (rank blocks) or of flat (t, k)
 // entries (expert blocks) and walks it one item per lane, so every load is
@@ -94,27 +95,37 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // inside a step, a scan of the warp totals gives each warp's start. That is
 // exactly the sequential count in ascending order the reference uses.
 constexpr int kPrepWarps = kPrepThreads / 32;
+constexpr int kPrepExperts = 8;  // experts per expert-layout prep block
 static_assert(kPrepThreads == kControlThreads, "prep and control blocks share one launch");
 static_assert(kPrepWarps <= 32, "one warp scans the warp totals");
 
-// Exclusive offset of this warp's total `n` (lane 0's value is used), and the
-// block total. Every thread of the block calls it.
-__device__ __forceinline__ int PrepWarpOffset(int n, int* s_warp, int* total) {
+// Exclusive offsets of this warp's totals n[v] (lane 0's values are used)
+// among the warps, and the block totals, for NV values at once (one scan
+// per value, by warp v). Every thread of the block calls it.
+template <int NV>
+__device__ __forceinline__ void PrepWarpOffsets(const int (&n)[NV], int (*s_warp)[kPrepWarps], int (&off)[NV],
+                                                int (&total)[NV]) {
+  static_assert(NV <= kPrepWarps, "one warp scans each value");
   const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
-  if (lane == 0) s_warp[warp] = n;
+  if (lane == 0)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) s_warp[v][warp] = n[v];
   __syncthreads();
-  if (warp == 0) {
-    int v = lane < kPrepWarps ? s_warp[lane] : 0;
+  if (warp < NV) {
+    int x = lane < kPrepWarps ? s_warp[warp][lane] : 0;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(kFullMask, v, d);
-      if (lane >= d) v += u;
+      const int u = __shfl_up_sync(kFullMask, x, d);
+      if (lane >= d) x += u;
     }
-    if (lane < kPrepWarps) s_warp[lane] = v;  // inclusive
+    if (lane < kPrepWarps) s_warp[warp][lane] = x;  // inclusive
   }
   __syncthreads();
-  *total = s_warp[kPrepWarps - 1];
-  return warp == 0 ? 0 : s_warp[warp - 1];
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    total[v] = s_warp[v][kPrepWarps - 1];
+    off[v] = warp == 0 ? 0 : s_warp[v][warp - 1];
+  }
 }
 
 // Does token t choose an expert in [lo, hi) (rank j's experts; that range
@@ -145,7 +156,7 @@ __device__ __forceinline__ bool TokenInRank(const DispatchCfg& c, const int32_t*
 __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const DispatchWindow& w, const EpPeers& p,
                                              const int32_t* __restrict__ topk,
                                              int32_t* __restrict__ pos_in_rank, int b) {
-  __shared__ int s_warp[kPrepWarps];
+  __shared__ int s_warp[kPrepExperts][kPrepWarps];
   __shared__ int s_bad;
   const int R = p.nranks;
   const DispatchScratch sc(R, c.E);
@@ -172,8 +183,10 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
       n += __popc(__ballot_sync(kFullMask, in));
     }
     if (bad) atomicOr(&s_bad, 1);
-    int total;
-    int off = PrepWarpOffset(n, s_warp, &total);
+    int offs[1], totals[1];
+    PrepWarpOffsets<1>({n}, s_warp, offs, totals);
+    int off = offs[0];
+    const int total = totals[0];
 #pragma unroll 4
     for (int i = 0; i < steps; ++i) {
       const int t = t0 + i * 32 + lane;
@@ -191,7 +204,10 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
       }
     }
   } else {
-    const int e = b - R;
+    // kPrepExperts experts per block, [e0, e0 + ne): one pass over the
+    // entries counts them all (the reads, not the ballots, are the cost).
+    const int e0 = (b - R) * kPrepExperts;
+    const int ne = min(kPrepExperts, c.E - e0);
     const int N = c.T * c.K;  // < 2^31 (ValidateDispatch)
     // 16-byte path: lane holds entries base + 4 lane + q, q < 4; the warp
     // span is a multiple of 128 entries and N % 4 == 0, so no load crosses
@@ -202,52 +218,79 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
     const int i0 = static_cast<int>(min(static_cast<long long>(N), static_cast<long long>(warp) * span));
     const int i1 = static_cast<int>(min(static_cast<long long>(N), static_cast<long long>(i0) + span));
     const int steps = (i1 - i0 + per - 1) / per;
-    int n = 0;
+    // Entries at or past i1 read as -1 (no expert).
+    auto load4 = [&](int s) {
+      const int i = i0 + s * 128 + 4 * lane;
+      return i < i1 ? __ldg(reinterpret_cast<const int4*>(topk + i)) : make_int4(-1, -1, -1, -1);
+    };
+    auto load1 = [&](int s) {
+      const int i = i0 + s * 32 + lane;
+      return i < i1 ? __ldg(topk + i) : -1;
+    };
+    int n[kPrepExperts] = {};
     if (vec4) {
-#pragma unroll 4
+#pragma unroll 2
       for (int s = 0; s < steps; ++s) {
-        const int i = i0 + s * 128 + 4 * lane;
-        int4 v = make_int4(-1, -1, -1, -1);
-        if (i < i1) v = __ldg(reinterpret_cast<const int4*>(topk + i));
-        n += __popc(__ballot_sync(kFullMask, v.x == e)) + __popc(__ballot_sync(kFullMask, v.y == e)) +
-             __popc(__ballot_sync(kFullMask, v.z == e)) + __popc(__ballot_sync(kFullMask, v.w == e));
+        const int4 v = load4(s);
+#pragma unroll
+        for (int x = 0; x < kPrepExperts; ++x) {
+          if (x >= ne) break;
+          const int e = e0 + x;
+          n[x] += __popc(__ballot_sync(kFullMask, v.x == e)) + __popc(__ballot_sync(kFullMask, v.y == e)) +
+                  __popc(__ballot_sync(kFullMask, v.z == e)) + __popc(__ballot_sync(kFullMask, v.w == e));
+        }
       }
     } else {
-#pragma unroll 4
+#pragma unroll 2
       for (int s = 0; s < steps; ++s) {
-        const int i = i0 + s * 32 + lane;
-        n += __popc(__ballot_sync(kFullMask, i < i1 && __ldg(topk + i) == e));
+        const int v = load1(s);
+#pragma unroll
+        for (int x = 0; x < kPrepExperts; ++x) {
+          if (x >= ne) break;
+          n[x] += __popc(__ballot_sync(kFullMask, v == e0 + x));
+        }
       }
     }
-    int total;
-    int off = PrepWarpOffset(n, s_warp, &total);
+    int off[kPrepExperts], total[kPrepExperts];
+    PrepWarpOffsets<kPrepExperts>(n, s_warp, off, total);
+    // Each entry matches at most one expert, so its rie is written once.
     if (vec4) {
-#pragma unroll 4
+#pragma unroll 2
       for (int s = 0; s < steps; ++s) {
         const int i = i0 + s * 128 + 4 * lane;
-        int4 v = make_int4(-1, -1, -1, -1);
-        if (i < i1) v = __ldg(reinterpret_cast<const int4*>(topk + i));
-        const bool h0 = v.x == e, h1 = v.y == e, h2 = v.z == e, h3 = v.w == e;
-        const unsigned m0 = __ballot_sync(kFullMask, h0), m1 = __ballot_sync(kFullMask, h1);
-        const unsigned m2 = __ballot_sync(kFullMask, h2), m3 = __ballot_sync(kFullMask, h3);
-        int o = off + __popc(m0 & lt) + __popc(m1 & lt) + __popc(m2 & lt) + __popc(m3 & lt);
-        if (h0) rie[i] = o++;
-        if (h1) rie[i + 1] = o++;
-        if (h2) rie[i + 2] = o++;
-        if (h3) rie[i + 3] = o;
-        off += __popc(m0) + __popc(m1) + __popc(m2) + __popc(m3);
+        const int4 v = load4(s);
+#pragma unroll
+        for (int x = 0; x < kPrepExperts; ++x) {
+          if (x >= ne) break;
+          const int e = e0 + x;
+          const bool h0 = v.x == e, h1 = v.y == e, h2 = v.z == e, h3 = v.w == e;
+          const unsigned m0 = __ballot_sync(kFullMask, h0), m1 = __ballot_sync(kFullMask, h1);
+          const unsigned m2 = __ballot_sync(kFullMask, h2), m3 = __ballot_sync(kFullMask, h3);
+          int o = off[x] + __popc(m0 & lt) + __popc(m1 & lt) + __popc(m2 & lt) + __popc(m3 & lt);
+          if (h0) rie[i] = o++;
+          if (h1) rie[i + 1] = o++;
+          if (h2) rie[i + 2] = o++;
+          if (h3) rie[i + 3] = o;
+          off[x] += __popc(m0) + __popc(m1) + __popc(m2) + __popc(m3);
+        }
       }
     } else {
-#pragma unroll 4
+#pragma unroll 2
       for (int s = 0; s < steps; ++s) {
         const int i = i0 + s * 32 + lane;
-        const bool h = i < i1 && __ldg(topk + i) == e;
-        const unsigned m = __ballot_sync(kFullMask, h);
-        if (h) rie[i] = off + __popc(m & lt);
-        off += __popc(m);
+        const int v = load1(s);
+#pragma unroll
+        for (int x = 0; x < kPrepExperts; ++x) {
+          if (x >= ne) break;
+          const bool h = v == e0 + x;
+          const unsigned m = __ballot_sync(kFullMask, h);
+          if (h) rie[i] = off[x] + __popc(m & lt);
+          off[x] += __popc(m);
+        }
       }
     }
-    if (threadIdx.x == 0) scratch[sc.entries_per_expert + e] = total;
+    if (threadIdx.x == 0)
+      for (int x = 0; x < ne; ++x) scratch[sc.entries_per_expert + e0 + x] = total[x];
   }
   // Done: the control block may read what thread 0 wrote into the scratch.
   if (threadIdx.x == 0) {
@@ -1058,7 +1101,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
             a.counts, a.recv_counts};
 
   const int nslots = c.expert ? w.counts_stride : 2;
-  DispatchSetupKernel<<<1 + R + (c.expert ? c.E : 0), kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
+  const int expert_blocks = c.expert ? (c.E + kPrepExperts - 1) / kPrepExperts : 0;
+  DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;

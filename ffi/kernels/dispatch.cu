@@ -1101,6 +1101,13 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
             a.counts, a.recv_counts};
 
   const int nslots = c.expert ? w.counts_stride : 2;
+  // The prep blocks read topk twice (count, then place), through L1; after a
+  // bulk data kernel the SMs sit in its all-shared-memory split, and the
+  // setup took ~4 us longer there than after register copies (session 11:
+  // 17.6 against 13.6; asking for all-shared made it no better). A guess
+  // to measure: ask for the largest L1.
+  cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                       cudaSharedmemCarveoutMaxL1);
   const int expert_blocks = c.expert ? (c.E + kPrepExperts - 1) / kPrepExperts : 0;
   DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 

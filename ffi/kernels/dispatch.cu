@@ -176,10 +176,15 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
     const int steps = (t1 - t0 + 31) / 32;
     int n = 0;
     bool bad = false;
+    // Each lane's answers for up to 32 steps (T <= 32768) stay in `bits`,
+    // so the second pass reads nothing; longer spans read topk again.
+    const bool keep = steps <= 32;
+    uint32_t bits = 0;
 #pragma unroll 4
     for (int i = 0; i < steps; ++i) {
       const int t = t0 + i * 32 + lane;
       const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, bad);
+      if (keep) bits |= static_cast<uint32_t>(in) << i;
       n += __popc(__ballot_sync(kFullMask, in));
     }
     if (bad) atomicOr(&s_bad, 1);
@@ -191,7 +196,7 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
     for (int i = 0; i < steps; ++i) {
       const int t = t0 + i * 32 + lane;
       bool unused = false;
-      const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, unused);
+      const bool in = keep ? ((bits >> i) & 1u) != 0 : t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, unused);
       const unsigned m = __ballot_sync(kFullMask, in);
       if (t < t1) pos_in_rank[static_cast<size_t>(t) * R + j] = in ? off + __popc(m & lt) : -1;
       off += __popc(m);

@@ -48,7 +48,7 @@ int EpDtypeBytes(EpDtype d) {
 namespace {
 
 constexpr int kPrepThreads = 1024;  // 32 warps: one warp per 1/32 of the tokens / entries
-constexpr int kControlThreads = 1024;   // one thread per local expert in the control kernel
+constexpr int kControlThreads = 1024;   // one thread per local expert in the control block
 constexpr int kDataThreads = 1024;      // 32 warps: one token (row) per warp at a time
 constexpr int kCastThreads = 512;       // push kernel with the in-kernel FP8 cast
 constexpr int kMaxLocalExperts = kControlThreads;
@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(kControlThreads, 1) DispatchSetupKernel(Dispat
 //    expert layout).
 // Senders never wait, so the roles need not be co-resident.
 //
-// kSendOk (agreed by every rank in the control kernel) gates all sending and
+// kSendOk (agreed by every rank in the control block) gates all sending and
 // waiting; kOk (this rank's own view: no overflow either) gates all writes
 // of outputs. A receiver that is not ok still drains its chunks, and the
 // whole grid zeroes the outputs at the end.

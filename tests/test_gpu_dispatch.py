@@ -116,7 +116,9 @@ CASES = [
     (127, 2048, 8, 256, "fp8_pair", "random"),
     (4096, 7168, 8, 256, "fp8_pair", "random"),
     # E not a multiple of the 8 experts each expert-layout prep block takes
+    # (T * K a multiple of 4, and not: both of its load paths)
     (127, 256, 4, 12, "bfloat16", "random"),
+    (127, 256, 3, 12, "bfloat16", "random"),
 ]
 # The full product T x H x K x E (bf16 and FP8 pairs, random routing
 # with -1 ids) on top: 210 more cases (420 tests with both layouts), many

@@ -1111,8 +1111,9 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   // setup took ~4 us longer there than after register copies (session 11:
   // 17.6 against 13.6; asking for all-shared made it no better). A guess
   // to measure: ask for the largest L1.
-  cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                       cudaSharedmemCarveoutMaxL1);
+  if (cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxL1) != cudaSuccess)
+    (void)cudaGetLastError();  // a hint: the launch works without it
   const int expert_blocks = c.expert ? (c.E + kPrepExperts - 1) / kPrepExperts : 0;
   DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 

@@ -162,13 +162,15 @@ __device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
 // and order their writes before this thread's later reads. Those blocks
 // never wait, so this ends unless the GPU cannot schedule them beside this
 // one (a partition of one SM): then it reports after the op's timeout and
-// returns false.
+// returns false, having taken the n off the count, so that the late
+// blocks' adds bring it back to zero for the next op.
 __device__ inline bool WaitBlocksDone(const EpPeers& p, unsigned long long* done, int n, Op op) {
   volatile unsigned long long* v = done;
   const unsigned long long t0 = globaltimer_ns();
   while (*v < static_cast<unsigned long long>(n)) {
     if (globaltimer_ns() - t0 > p.timeout_ns) {
       report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(p.rank));
+      atomicAdd(done, 0ull - static_cast<unsigned long long>(n));
       return false;
     }
     __nanosleep(64);

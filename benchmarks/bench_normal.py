@@ -82,14 +82,23 @@ def _routing(key, shape: Shape):
   return x, topk_idx, w
 
 
-def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int) -> tuple[float, float]:
-  """(NVLink bytes, logical bytes) per rank, averaged over ranks."""
+def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int,
+           per_expert: bool = False) -> tuple[float, float]:
+  """(NVLink bytes, logical bytes) per rank, averaged over ranks: one row
+  per (token, destination rank), or with `per_expert` one per (token,
+  expert) (what expert-layout combine moves)."""
   e_l = shape.experts // shape.ranks
   t = shape.tokens
   nv, lg = [], []
   for r in range(shape.ranks):
     ids = topk_idx[r * t:(r + 1) * t]
     dest = np.where(ids >= 0, ids // e_l, -1)
+    if per_expert:
+      rows_all = int((dest >= 0).sum())
+      rows_remote = rows_all - int((dest == r).sum())
+      nv.append(rows_remote * row_bytes)
+      lg.append(rows_all * row_bytes)
+      continue
     in_rank = np.stack([(dest == j).any(axis=1) for j in range(shape.ranks)], axis=1)
     rows_all = in_rank.sum()
     rows_remote = rows_all - in_rank[:, r].sum()
@@ -492,8 +501,8 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   impls = impls or ["jax_ep", "reference", "jax_all_to_all", "jax_capacity_all_to_all",
                     "jax_ragged_all_to_all", "jax_ep_sms", "jax_ep_checked"]
 
-  def record(bench, impl, dtype, t, row_bytes, nsms=None, **extra):
-    nv, lg = _bytes(idx_np, shape, row_bytes)
+  def record(bench, impl, dtype, t, row_bytes, nsms=None, per_expert=False, **extra):
+    nv, lg = _bytes(idx_np, shape, row_bytes, per_expert)
     results.append(dict(bench=bench, impl=impl, dtype=dtype, tokens_per_rank=shape.tokens,
                         hidden=h, topk=shape.topk, experts=shape.experts, ranks=shape.ranks,
                         time_us=t * 1e6, nvlink_gbps=nv / t / 1e9, logical_gbps=lg / t / 1e9,
@@ -503,7 +512,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   # (time_all), so none is timed on a colder GPU than the others (issue 12).
   pending = []
 
-  def bench(name, impl, dtype, fn, args, row_bytes, nsms=None):
+  def bench(name, impl, dtype, fn, args, row_bytes, nsms=None, per_expert=False):
     label = f"{name}/{impl}/{dtype}"
     try:
       iters, reps = _adaptive_iters(fn, args, quick)
@@ -512,14 +521,14 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
     except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
       print(f"  {label}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
       return
-    pending.append((name, impl, dtype, fn, args, row_bytes, nsms, jstep, iters, reps))
+    pending.append((name, impl, dtype, fn, args, row_bytes, nsms, per_expert, jstep, iters, reps))
 
   def time_all():
     for job in pending:
       timed(*job)
     pending.clear()
 
-  def timed(name, impl, dtype, fn, args, row_bytes, nsms, jstep, iters, reps):
+  def timed(name, impl, dtype, fn, args, row_bytes, nsms, per_expert, jstep, iters, reps):
     try:
       t = _time_chain(jstep, args, reps) / iters
     except Exception as e:  # noqa: BLE001
@@ -531,7 +540,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
       # which of prep / control / data kernels it goes to).
       tr = trace_us(fn, args, None, shape.ranks, iters=10)
       extra = dict(kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"], kernel_parts=tr["kernel_parts"])
-    record(name, impl, dtype, t, row_bytes, nsms, **extra)
+    record(name, impl, dtype, t, row_bytes, nsms, per_expert, **extra)
     parts = extra.get("kernel_parts") or {}
     detail = "  ".join(f"{_kernel_label(k)}={v:.1f}" for k, v in parts.items())
     print(f"  {name:16s} {impl:24s} {dtype:5s} {t * 1e6:10.1f} us  {detail}", flush=True)
@@ -604,7 +613,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
           return o.recv_x, o.recv_topk_weights, o.handle
         recv, rw, handle = jax.jit(smap(eparts))(x, topk_idx, w)
         fc = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, num_sms=sms, backend="cuda"))
-        bench("normal_combine", impl, "bf16", fc, (recv, handle, rw), bf16_row, sms)
+        bench("normal_combine", impl, "bf16", fc, (recv, handle, rw), bf16_row, sms, per_expert=True)
       elif impl == "jax_all_to_all":
         f = smap(functools.partial(_dense_all_to_all_dispatch, shape=shape, axis="ep"))
         bench("normal_dispatch", impl, "bf16", f, (x, topk_idx), bf16_row)

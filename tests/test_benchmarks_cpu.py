@@ -228,3 +228,17 @@ def test_bench_normal_warms_every_variant_up_before_it_times_any(monkeypatch):
   first_time = events.index("time")
   assert "warm" not in events[first_time:], events
   assert events.count("time") == len(recs)
+
+
+def test_bench_normal_counts_rows_per_rank_or_per_expert():
+  """NVLink / logical bytes of one rank's rows: per (token, destination
+  rank) for dispatch and rank-layout combine, per (token, expert) for the
+  expert-layout combine (jax_ep_expert)."""
+  import numpy as np
+  bn = _bench_normal()
+  shape = bn.Shape(tokens=2, hidden=8, topk=3, experts=4, ranks=2)  # 2 experts per rank
+  # rank 0: token 0 -> experts 0, 1, 2 (ranks 0, 0, 1); token 1 -> 3, -1, -1 (rank 1)
+  # rank 1: token 0 -> 0, 2, 3 (ranks 0, 1, 1); token 1 -> -1, -1, -1
+  idx = np.array([[0, 1, 2], [3, -1, -1], [0, 2, 3], [-1, -1, -1]])
+  assert bn._bytes(idx, shape, 10) == ((2 * 10 + 1 * 10) / 2, (3 * 10 + 2 * 10) / 2)
+  assert bn._bytes(idx, shape, 10, per_expert=True) == ((2 * 10 + 1 * 10) / 2, (4 * 10 + 3 * 10) / 2)

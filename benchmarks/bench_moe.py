@@ -97,6 +97,26 @@ def jax_ep_layer(x, router, w_in, w_out, *, shape: MoEShape, backend=None):
   return jax_ep.combine(y, out.handle, out.recv_topk_weights, backend=backend)
 
 
+def jax_ep_rank_layer(x, router, w_in, w_out, *, shape: MoEShape, backend=None):
+  """jax_ep_layer with the combine in rank layout (jax_ep.nn.MoE's
+  combine_layout="rank"): one row per (token, rank) each way over the link,
+  rows grouped by local expert and summed back on each rank."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+  from jax_ep.ops import regroup
+  idx, w = _route(x, router, shape.topk)
+  out = jax_ep.dispatch(x, idx, w, num_experts=shape.experts, layout="rank", backend=backend)
+  g = regroup.group_by_expert(out.recv_topk_idx, num_local_experts=w_in.shape[0],
+                              expert_alignment=shape.align)
+  gemm = jax_ep.grouped_matmul
+  h = jax.nn.gelu(gemm(regroup.expert_rows(out.recv_x, g), w_in, g.counts,
+                       out_dtype=jnp.float32)).astype(x.dtype)
+  y = gemm(h, w_out, g.counts)
+  part = regroup.sum_expert_rows(y, g, out.recv_topk_weights, x.dtype)
+  return jax_ep.combine(part, out.handle, None, backend=backend)
+
+
 def jax_ep_shared_layer(x, router, w_in, w_out, *, shape: MoEShape, s_in, s_out, overlap: bool):
   """jax_ep_layer plus a dense shared expert (gelu(x @ s_in) @ s_out, as
   DeepSeek-V3's): with `overlap`, its forward runs between dispatch_start and
@@ -304,6 +324,7 @@ def layers(shape: MoEShape, capacity_factor: float) -> dict:
   return {
       "jax_ep": functools.partial(jax_ep_layer, shape=shape),
       "reference": functools.partial(jax_ep_layer, shape=shape, backend="reference"),
+      "jax_ep_rank_combine": functools.partial(jax_ep_rank_layer, shape=shape),
       "jax_native_dense_a2a": functools.partial(native_dense_a2a_layer, shape=shape,
                                                 capacity_factor=capacity_factor),
       "jax_native_ragged_a2a": functools.partial(native_ragged_a2a_layer, shape=shape,

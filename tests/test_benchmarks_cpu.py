@@ -43,7 +43,8 @@ def test_moe_bench_variants_agree_on_cpu():
   shape = bm.MoEShape(tokens=32, hidden=128, ffn=64, experts=16, topk=2)
   x, params = bm.make_inputs(shape, mesh, jax.random.key(3))
   diffs = bm.compare(shape, mesh, x, params)
-  assert set(diffs) == {"jax_ep", "reference", "jax_native_dense_a2a"}
+  assert set(diffs) == {"jax_ep", "reference", "jax_ep_rank_combine", "jax_native_dense_a2a"}
+  assert max(diffs["jax_ep_rank_combine"]) < 1e-2  # one more bf16 rounding, per rank
   # XLA:CPU has no ragged-all-to-all: that layer is left out here, but it
   # must still trace and lower (its shapes and offsets are checked on GPU).
   assert "jax_native_ragged_a2a" in bm.EXCLUDED

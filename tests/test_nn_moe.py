@@ -222,6 +222,24 @@ def test_layer_matches_the_dense_oracle_forward_and_gradients(cfg):
   _assert_close_to_oracle(model, _tokens(mesh, 64, 64), cfg)
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(topk=3),
+    dict(topk=2, shared_ffn=40, overlap_shared=True),
+], ids=["plain", "overlapped-shared"])
+def test_rank_layout_combine_matches_the_dense_oracle_forward_and_gradients(cfg):
+  """combine_layout="rank": per-rank partial sums, then a rank-layout
+  combine; the same layer as the oracle's, up to f32 rounding."""
+  mesh = _mesh()
+  model = MoE(64, 32, 16, mesh=mesh, dtype=jnp.float32, backend="reference",
+              combine_layout="rank", rngs=nnx.Rngs(12), **cfg)
+  layer_cfg = {k: v for k, v in cfg.items() if k != "overlap_shared"}  # what the oracle computes
+  _assert_close_to_oracle(model, _tokens(mesh, 64, 64), layer_cfg)
+  with pytest.raises(ValueError, match="combine_layout"):
+    MoE(128, 32, 8, 2, mesh=mesh, combine_layout="rank", fp8_dispatch=True, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="combine_layout"):
+    MoE(64, 32, 8, 2, mesh=mesh, combine_layout="token", rngs=nnx.Rngs(0))
+
+
 def test_shared_expert_adds_the_dense_mlp():
   mesh = _mesh()
   kw = dict(mesh=mesh, dtype=jnp.float32, backend="reference")

@@ -26,6 +26,7 @@ from jax_ep import reference as _ref
 from jax_ep.ops.dispatch import combine, dispatch
 from jax_ep.ops.overlap import dispatch_done, dispatch_start, ordered_after
 from jax_ep.ops.grouped_gemm import grouped_matmul
+from jax_ep.ops import regroup as _regroup
 
 SCORE_FNS = ("softmax", "sigmoid")
 
@@ -129,6 +130,7 @@ class _Cfg(NamedTuple):
   dtype: object
   fp8: bool
   overlap: bool = False
+  combine_layout: str = "expert"
 
 
 def _check_int(name: str, value, *, low: int = 1) -> None:
@@ -216,6 +218,14 @@ class MoE(nnx.Module):
       `dispatch_start` and `dispatch_done`, so that on CUDA it runs while the
       dispatch kernels move rows on the communicator's stream (identical
       results; bf16 dispatch only). Off by default until measured on GPUs.
+    combine_layout: "expert" (default): the rows travel per (token, expert)
+      and the combine sums all of a token's expert outputs in f32 in one
+      fixed order. "rank": the dispatch moves one row per (token, rank), the
+      rows are grouped by local expert on each rank (`jax_ep.ops.regroup`),
+      each token's local expert outputs are summed there (f32, then `dtype`)
+      and the combine adds one row per rank: at EP >= 2 the combine's link
+      bytes shrink K / R-fold (DeepEP's scheme), for one more rounding of
+      the partial sums and two local gathers. bf16 dispatch only.
     fp8_dispatch: the rows travel as FP8 (e4m3, a scale per 128 channels) and
       are dequantised to `dtype` before the expert matmuls; H must be a
       multiple of 128. The backward is a straight-through estimator: the
@@ -234,7 +244,7 @@ class MoE(nnx.Module):
                routed_scaling_factor: float = 1.0, num_groups: Optional[int] = None,
                topk_groups: Optional[int] = None, shared_ffn: Optional[int] = None,
                shared_gated: bool = False, fp8_dispatch: bool = False,
-               overlap_shared: bool = False, rngs: nnx.Rngs):
+               overlap_shared: bool = False, combine_layout: str = "expert", rngs: nnx.Rngs):
     _check_config(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk, mesh=mesh,
                   axis_name=axis_name, data_axis=data_axis, score_fn=score_fn,
                   routed_scaling_factor=routed_scaling_factor, num_groups=num_groups,
@@ -249,6 +259,11 @@ class MoE(nnx.Module):
       raise ValueError("overlap_shared needs a shared expert (shared_ffn) and a bf16 dispatch "
                        "(fp8_dispatch=False)")
     self.overlap_shared = bool(overlap_shared)
+    if combine_layout not in ("expert", "rank"):
+      raise ValueError(f"combine_layout must be 'expert' or 'rank', got {combine_layout!r}")
+    if combine_layout == "rank" and fp8_dispatch:
+      raise ValueError("combine_layout='rank' needs a bf16 dispatch (fp8_dispatch=False)")
+    self.combine_layout = combine_layout
     init = jax.nn.initializers.lecun_normal()
     expert_init = jax.nn.initializers.lecun_normal(in_axis=1, out_axis=2)
     split = NamedSharding(mesh, P(axis_name))
@@ -293,7 +308,7 @@ class MoE(nnx.Module):
         num_groups=self.num_groups, topk_groups=self.topk_groups,
         routed_scaling_factor=self.routed_scaling_factor)
     cfg = _Cfg(self.num_experts, self.axis_name, self.expert_alignment, self.backend, self.dtype,
-               self.fp8_dispatch, self.overlap_shared)
+               self.fp8_dispatch, self.overlap_shared, self.combine_layout)
     tokens = P(axes if len(axes) > 1 else axes[0])
     args = [x2.astype(self.dtype), topk_idx, topk_weights,
             self.w_in[...].astype(self.dtype), self.w_out[...].astype(self.dtype)]
@@ -312,8 +327,11 @@ class MoE(nnx.Module):
 def _moe_shard(x, topk_idx, topk_weights, w_in, w_out, *shared, cfg: _Cfg):
   """Per rank: x [T, H], topk_* [T, K], w_in [E_l, H, F], w_out [E_l, F, H],
   shared: () or (w_in [H, Fs], w_out [Fs, H][, w_gate [H, Fs]]). -> [T, H]."""
-  kw = dict(num_experts=cfg.num_experts, axis_name=cfg.axis_name, layout="expert",
-            expert_alignment=cfg.expert_alignment, backend=cfg.backend)
+  by_rank = cfg.combine_layout == "rank"
+  kw = dict(num_experts=cfg.num_experts, axis_name=cfg.axis_name,
+            layout="rank" if by_rank else "expert", backend=cfg.backend)
+  if not by_rank:
+    kw["expert_alignment"] = cfg.expert_alignment
   dense = None
   if cfg.fp8:
     out = _fp8_dispatch(x, topk_idx, topk_weights, cfg)
@@ -326,9 +344,16 @@ def _moe_shard(x, topk_idx, topk_weights, w_in, w_out, *shared, cfg: _Cfg):
     out = dispatch_done(pending, after=dense)
   else:
     out = dispatch(x, topk_idx, topk_weights, **kw)
-  y = _experts(out.recv_x, w_in, w_out, out.counts, cfg)
-  routed = combine(y, out.handle, out.recv_topk_weights, axis_name=cfg.axis_name,
-                   backend=cfg.backend)
+  if by_rank:
+    g = _regroup.group_by_expert(out.recv_topk_idx, num_local_experts=w_in.shape[0],
+                                 expert_alignment=cfg.expert_alignment)
+    y = _experts(_regroup.expert_rows(out.recv_x, g), w_in, w_out, g.counts, cfg)
+    part = _regroup.sum_expert_rows(y, g, out.recv_topk_weights, cfg.dtype)
+    routed = combine(part, out.handle, None, axis_name=cfg.axis_name, backend=cfg.backend)
+  else:
+    y = _experts(out.recv_x, w_in, w_out, out.counts, cfg)
+    routed = combine(y, out.handle, out.recv_topk_weights, axis_name=cfg.axis_name,
+                     backend=cfg.backend)
   if not shared:
     return routed
   if dense is None:

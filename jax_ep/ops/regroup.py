@@ -82,12 +82,9 @@ def _expert_rows_fwd(x, grouping):
 
 def _expert_rows_bwd(grouping, ct):
   # Each rank-layout row gets the sum of its copies' cotangents, slot by
-  # slot in top-k order (f32).
-  acc = None
-  for i in range(grouping.slot.shape[1]):
-    term = _gather_rows(ct, grouping.slot[:, i]).astype(jnp.float32)
-    acc = term if acc is None else acc + term
-  return acc.astype(ct.dtype), None
+  # slot in top-k order (f32): sum_expert_rows with unit weights (exact).
+  ones = jnp.ones(grouping.slot.shape, jnp.float32)
+  return _sum_expert_rows(ct, grouping, ones, ct.dtype), None
 
 
 expert_rows.defvjp(_expert_rows_fwd, _expert_rows_bwd)

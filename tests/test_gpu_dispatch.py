@@ -115,10 +115,13 @@ CASES = [
     (128, 512, 8, 64, "bfloat16", "random"),
     (127, 2048, 8, 256, "fp8_pair", "random"),
     (4096, 7168, 8, 256, "fp8_pair", "random"),
-    # E not a multiple of the 8 experts each expert-layout prep block takes
-    # (T * K a multiple of 4, and not: both of its load paths)
+    # Expert-layout prep blocks: one expert each (E <= the SMs), T * K a
+    # multiple of 4 and not (both load paths); more experts than an H200's
+    # 132 SMs, so blocks take 3 and the last one 2 (at 1 or 2 ranks).
     (127, 256, 4, 12, "bfloat16", "random"),
     (127, 256, 3, 12, "bfloat16", "random"),
+    (127, 256, 4, 266, "bfloat16", "random"),
+    (127, 256, 3, 266, "bfloat16", "random"),
 ]
 # The issue's full product T x H x K x E (bf16 and FP8 pairs, random routing
 # with -1 ids) on top: 210 more cases (420 tests with both layouts), many

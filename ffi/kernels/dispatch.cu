@@ -60,6 +60,7 @@ struct DispatchCfg {
   int has_scales;   // payload is FP8 (input FP8 or cast)
   int ue8m0;
   int gin_rows;     // > 0: rows to GIN peers are staged and put in chunks of this many (gin_stage.cuh)
+  int prep_experts; // expert layout: experts per prep block, 1..kPrepExperts (PrepExpertsPerBlock)
 };
 
 struct PushIO {
@@ -86,7 +87,7 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // ---------------------------------------------------------------- prep
 // Blocks [0, R): pos_in_rank[:, j] (ascending t) and tokens_per_rank[j];
 // block 0 also checks every id. Blocks from R on (expert layout), one per
-// kPrepExperts experts: rie[t, k] = rank of (t, k) among this rank's entries
+// c.prep_experts experts: rie[t, k] = rank of (t, k) among this rank's entries
 // for its expert e, in (t, k) order, and the entries per expert.
 //
 // Each warp owns a contiguous span of tokens (rank blocks) or of flat (t, k)
@@ -95,7 +96,13 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // inside a step, a scan of the warp totals gives each warp's start. That is
 // exactly the sequential count in ascending order the reference uses.
 constexpr int kPrepWarps = kPrepThreads / 32;
-constexpr int kPrepExperts = 8;  // experts per expert-layout prep block
+// At most this many experts per expert-layout prep block. The ballots, not
+// the reads, are a block's cost (about 10 instructions per entry and expert
+// in each pass): 8 per block on 32 blocks took the setup from 26.7 us (1 on
+// 256) to 43.0 us (session 12). So the host spreads the experts over the
+// SMs, and a block takes more than one only when there are more experts than
+// SMs.
+constexpr int kPrepExperts = 8;
 static_assert(kPrepThreads == kControlThreads, "prep and control blocks share one launch");
 static_assert(kPrepWarps <= 32, "one warp scans the warp totals");
 
@@ -209,10 +216,10 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
       }
     }
   } else {
-    // kPrepExperts experts per block, [e0, e0 + ne): one pass over the
-    // entries counts them all (the reads, not the ballots, are the cost).
-    const int e0 = (b - R) * kPrepExperts;
-    const int ne = min(kPrepExperts, c.E - e0);
+    // c.prep_experts experts per block, [e0, e0 + ne): one pass over the
+    // entries counts them all.
+    const int e0 = (b - R) * c.prep_experts;
+    const int ne = min(min(c.prep_experts, kPrepExperts), c.E - e0);
     const int N = c.T * c.K;  // < 2^31 (ValidateDispatch)
     // 16-byte path: lane holds entries base + 4 lane + q, q < 4; the warp
     // span is a multiple of 128 entries and N % 4 == 0, so no load crosses
@@ -295,7 +302,9 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
       }
     }
     if (threadIdx.x == 0)
-      for (int x = 0; x < ne; ++x) scratch[sc.entries_per_expert + e0 + x] = total[x];
+#pragma unroll
+      for (int x = 0; x < kPrepExperts; ++x)
+        if (x < ne) scratch[sc.entries_per_expert + e0 + x] = total[x];
   }
   // Done: the control block may read what thread 0 wrote into the scratch.
   if (threadIdx.x == 0) {
@@ -998,6 +1007,13 @@ static int DeviceSms() {
   });
 }
 
+// Experts per expert-layout prep block: the fewest that keep the blocks
+// (beside the control block and the R rank blocks) within one wave of SMs.
+static int PrepExpertsPerBlock(int E, int R, int sms) {
+  const int free_sms = std::max(1, sms - 1 - R);
+  return std::min(kPrepExperts, std::max(1, (E + free_sms - 1) / free_sms));
+}
+
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute) {
   static const int env_sms = EnvInt("JAX_EP_NUM_SMS");
   int cap = requested > 0 ? requested : env_sms;
@@ -1114,7 +1130,8 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   if (cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                            cudaSharedmemCarveoutMaxL1) != cudaSuccess)
     (void)cudaGetLastError();  // a hint: the launch works without it
-  const int expert_blocks = c.expert ? (c.E + kPrepExperts - 1) / kPrepExperts : 0;
+  c.prep_experts = PrepExpertsPerBlock(c.E, R, DeviceSms());
+  const int expert_blocks = c.expert ? (c.E + c.prep_experts - 1) / c.prep_experts : 0;
   DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).

@@ -492,6 +492,8 @@ def _overlap_records(shape: MoEShape, mesh, x, params, quick: bool) -> list[dict
     out.append(rec)
     print(f"  T={shape.tokens:5d} {impl:22s} {'-' if t is None else f'{t * 1e3:9.2f} ms':>12s}",
           flush=True)
+  for rec, s in zip(out, steps.values()):
+    rec.update(_concurrency(s, (params, x)))
   t0, t1 = times["jax_ep_shared"], times["jax_ep_shared_overlap"]
   if t0 and t1 and t_disp:
     hidden = (t0 - t1) / t_disp
@@ -499,6 +501,25 @@ def _overlap_records(shape: MoEShape, mesh, x, params, quick: bool) -> list[dict
     print(f"  overlap saved {(t0 - t1) * 1e6:.0f} us per step = {hidden:.0%} of one dispatch "
           f"({t_disp * 1e6:.0f} us)", flush=True)
   return out
+
+
+def _is_comm(name: str) -> bool:
+  return any(k in name for k, fam in STEP_FAMILIES if fam == "dispatch_combine")
+
+
+def _concurrency(step, args) -> dict:
+  """From a profile of 3 steps, per step: the GPU µs of dispatch / combine
+  kernels and of those µs during which a compute kernel ran on another
+  stream (the overlap the profile shows)."""
+  try:
+    evs, names = bn.profile_step(step, args, 1)
+    comm, both = bn.concurrent_us(bn._gpu_events(evs, names), _is_comm)
+  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+    print(f"  concurrency profile: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return {}
+  print(f"  profile: dispatch/combine kernels {comm / 3:.0f} us per step, {both / 3:.0f} us of it "
+        f"beside compute on another stream", flush=True)
+  return dict(comm_kernel_us=comm / 3, comm_concurrent_us=both / 3)
 
 
 def _profile_step(step, args, records: list[dict], quick: bool) -> None:

@@ -193,10 +193,48 @@ def load_trace(trace_dir: str) -> tuple[list[dict], dict]:
 
 
 def _gpu_events(evs: list[dict], names: dict) -> list[dict]:
-  """Kernel and copy events (name, ts, dur in µs) on the GPU timelines."""
+  """Kernel and copy events (name, ts, dur in µs, and `line`: the GPU
+  timeline's id, one per stream) on the GPU timelines; lines named XLA...
+  (ops and modules spanning many kernels) are not kernels and are left out."""
   gpu_pids = {pid for pid, name in names.items() if "GPU" in str(name)}
-  return [dict(name=e.get("name", ""), ts=float(e["ts"]), dur=float(e["dur"])) for e in evs
-          if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+  threads = {(e.get("pid"), e.get("tid")): str(e["args"].get("name", "")) for e in evs
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e}
+  return [dict(name=e.get("name", ""), ts=float(e["ts"]), dur=float(e["dur"]),
+               line=(e.get("pid"), e.get("tid"))) for e in evs
+          if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e
+          and not threads.get((e.get("pid"), e.get("tid")), "").startswith("XLA")]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  out: list[tuple[float, float]] = []
+  for a, b in sorted(intervals):
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], b))
+    else:
+      out.append((a, b))
+  return out
+
+
+def concurrent_us(gpu_evs: list[dict], is_comm: Callable[[str], bool]) -> tuple[float, float]:
+  """(µs of communication kernels, µs of them during which a kernel that is
+  not communication ran on another line, i.e. stream): how much of the
+  communication a profile shows overlapped with compute."""
+  total = both = 0.0
+  for line in {e["line"] for e in gpu_evs if is_comm(e["name"])}:
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in gpu_evs
+                   if e["line"] == line and is_comm(e["name"])])
+    other = _union([(e["ts"], e["ts"] + e["dur"]) for e in gpu_evs
+                    if e["line"] != line and not is_comm(e["name"])])
+    total += sum(b - a for a, b in comm)
+    j = 0
+    for a, b in comm:
+      while j < len(other) and other[j][1] <= a:
+        j += 1
+      k = j
+      while k < len(other) and other[k][0] < b:
+        both += min(b, other[k][1]) - max(a, other[k][0])
+        k += 1
+  return total, both
 
 
 def gpu_kernel_events(trace_dir: str) -> list[dict]:

@@ -83,6 +83,31 @@ def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):
   assert summ == {"PrepGroups": 2.0, "GemmUniversal": 80.0, "all_kernels": 82.0}
 
 
+def test_concurrency_counts_communication_beside_compute_on_other_streams_only():
+  """concurrent_us: the µs of communication kernels during which a compute
+  kernel of another stream ran; compute on the same stream, other
+  communication, and the XLA op lines (spans, not kernels) do not count."""
+  bn, bm = _bench_normal(), _bench("bench_moe")
+  evs = [
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "Stream #9"}},
+      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "XLA Ops"}},
+      # side stream 9: a dispatch of 100 us, compute on stream 7 covers 30 + 20 of it
+      {"ph": "X", "pid": 1, "tid": 9, "name": "jax_ep::DispatchDataKernel", "ts": 100.0, "dur": 100.0},
+      {"ph": "X", "pid": 1, "tid": 7, "name": "cutlass GemmUniversal", "ts": 70.0, "dur": 60.0},
+      {"ph": "X", "pid": 1, "tid": 7, "name": "loop_fusion", "ts": 150.0, "dur": 20.0},
+      {"ph": "X", "pid": 1, "tid": 7, "name": "loop_fusion_2", "ts": 160.0, "dur": 5.0},
+      {"ph": "X", "pid": 1, "tid": 7, "name": "jax_ep::CombineDataKernel", "ts": 180.0, "dur": 10.0},
+      # stream 7: a combine, compute after it on its own stream only
+      {"ph": "X", "pid": 1, "tid": 7, "name": "jax_ep::CombineDataKernel", "ts": 300.0, "dur": 40.0},
+      {"ph": "X", "pid": 1, "tid": 7, "name": "loop_fusion_3", "ts": 340.0, "dur": 40.0},
+      {"ph": "X", "pid": 1, "tid": 3, "name": "custom-call.1", "ts": 0.0, "dur": 1000.0},
+  ]
+  comm, both = bn.concurrent_us(bn._gpu_events(evs, {1: "/device:GPU:0"}), bm._is_comm)
+  assert comm == 150.0 and both == 50.0
+
+
 def test_moe_profile_families_split_dispatch_combine_from_gemms():
   bm, bg = _bench("bench_moe"), _bench("bench_grouped_gemm")
   evs = [dict(name="jax_ep::DispatchDataKernel", dur=30.0),

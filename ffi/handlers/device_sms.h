@@ -1,23 +1,21 @@
-// The SM count of a device, queried once per ordinal: handlers size their
-// grids with it on every call.
+// The SM count of a device, queried once per ordinal: handlers and
+// launchers size their grids with it on every call.
 #pragma once
 
-#include <array>
+#include <atomic>
 
 #include <cuda_runtime.h>
 
 namespace jax_ep {
 
+// 0 where the device cannot be asked.
 inline int DeviceSms(int ordinal) {
-  static std::array<int, 64> cache{};
-  if (ordinal < 0 || ordinal >= static_cast<int>(cache.size())) return 0;
-  if (cache[ordinal] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) == cudaSuccess) {
-      cache[ordinal] = n;
-    }
-  }
-  return cache[ordinal];
+  static std::atomic<int> cache[64] = {};
+  if (ordinal < 0 || ordinal >= 64) return 0;
+  int n = cache[ordinal].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) == cudaSuccess && n > 0)
+    cache[ordinal].store(n, std::memory_order_relaxed);
+  return n > 0 ? n : 0;
 }
 
 }  // namespace jax_ep

@@ -26,6 +26,7 @@
 #include <string>
 
 #include "bulk_copy.cuh"
+#include "handlers/device_sms.h"
 #include "config_check.cuh"
 #include "ep_copy.cuh"
 #include "ep_kernels.h"
@@ -999,12 +1000,10 @@ bool BulkCopiesEnabled() {
 }
 
 // SMs of the launch's device (24, the budget, where it cannot be asked).
-static int DeviceSms() {
-  static std::atomic<int> known[64] = {};
-  return OncePerDevice(known, 24, [](int dev) {
-    int n = 0;
-    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && n > 0 ? n : 24;
-  });
+static int LaunchDeviceSms() {
+  int dev = 0;
+  const int n = cudaGetDevice(&dev) == cudaSuccess ? DeviceSms(dev) : 0;
+  return n > 0 ? n : 24;
 }
 
 // Experts per expert-layout prep block: the fewest that keep the blocks
@@ -1039,7 +1038,7 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     // than 132 in dispatch): every SM, like XLA's own copies -- unless it
     // runs beside the compute it should overlap (a *_start), which keeps
     // the budget.
-    if (num_ranks == 1 && !beside_compute) cap = DeviceSms();
+    if (num_ranks == 1 && !beside_compute) cap = LaunchDeviceSms();
   }
   const int needed = (work_items + warps_per_block - 1) / warps_per_block;
   return std::max(1, std::min(cap, needed));
@@ -1130,7 +1129,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   if (cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                            cudaSharedmemCarveoutMaxL1) != cudaSuccess)
     (void)cudaGetLastError();  // a hint: the launch works without it
-  c.prep_experts = PrepExpertsPerBlock(c.E, R, DeviceSms());
+  c.prep_experts = PrepExpertsPerBlock(c.E, R, LaunchDeviceSms());
   const int expert_blocks = c.expert ? (c.E + c.prep_experts - 1) / c.prep_experts : 0;
   DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
 

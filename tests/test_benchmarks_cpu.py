@@ -24,7 +24,7 @@ def _bench(name: str):
 
 @pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="would run the benchmark")
 @pytest.mark.parametrize("name", ["bench_normal", "bench_engram", "bench_low_latency", "profile_normal",
-                                  "bench_grouped_gemm", "bench_moe", "soak"])
+                                  "bench_grouped_gemm", "bench_moe", "soak", "setup_stamps"])
 def test_benchmark_exits_2_without_gpus(name, tmp_path):
   assert _bench(name).main(["--out", str(tmp_path)]) == 2
   assert not list(tmp_path.iterdir())
@@ -106,6 +106,21 @@ def test_concurrency_counts_communication_beside_compute_on_other_streams_only()
   ]
   comm, both = bn.concurrent_us(bn._gpu_events(evs, {1: "/device:GPU:0"}), bm._is_comm)
   assert comm == 150.0 and both == 50.0
+
+
+def test_setup_stamps_reads_the_kernels_lines_and_drops_each_layouts_first_call():
+  ss = _bench("setup_stamps")
+  line = ("jax_ep setup stamps ({lay} layout), us: zeroed 0.50 barrier1 {b:.2f} end 9.00"
+          " | rank prep x1: first start 0.20, last end 4.00, longest 3.80")
+  text = "\n".join(["other output", line.format(lay="rank", b=50.0)]
+                   + [line.format(lay="rank", b=b) for b in (1.0, 2.0, 3.0)]
+                   + [line.format(lay="expert", b=7.0)] * 2
+                   + [line.format(lay="expert", b=70.0).replace("end 9.00", "end 9.00 | expert prep x128:"
+                                                               " first start 0.30, last end 9.00,"
+                                                               " longest 8.50")])
+  got = ss.parse(text)
+  assert got["rank"]["barrier1"] == 2.0 and got["rank"]["rank_prep_longest"] == 3.8
+  assert got["expert"]["barrier1"] == 38.5 and got["expert"]["expert_prep_last_end"] == 9.0
 
 
 def test_moe_profile_families_split_dispatch_combine_from_gemms():

@@ -21,7 +21,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <string>
 
@@ -62,7 +64,21 @@ struct DispatchCfg {
   int ue8m0;
   int gin_rows;     // > 0: rows to GIN peers are staged and put in chunks of this many (gin_stage.cuh)
   int prep_experts; // expert layout: experts per prep block, 1..kPrepExperts (PrepExpertsPerBlock)
+  unsigned long long* stamps;  // debug (JAX_EP_SETUP_STAMPS): the setup's phase times; null: none
 };
+
+// Where the setup kernel's time goes (docs/design.md §7, JAX_EP_SETUP_STAMPS):
+// the control block's thread 0 notes the global timer after each phase
+// (slots [0, kStampPhases)), each prep block its start and end
+// (kStampPhases + 2 b, + 1). Off (null), a stamp is one untaken branch.
+enum SetupStamp : int {
+  kStampStart, kStampZeroed, kStampBarrier1, kStampConfig, kStampPrepWait, kStampCounts,
+  kStampBarrier2, kStampReadCounts, kStampEnd, kStampPhases
+};
+constexpr int kStampSlots = 1024;
+__device__ __forceinline__ void Stamp(const DispatchCfg& c, int slot) {
+  if (c.stamps != nullptr && slot < kStampSlots) c.stamps[slot] = globaltimer_ns();
+}
 
 struct PushIO {
   const void* x;
@@ -173,7 +189,10 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
   const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
   const unsigned lt = (1u << lane) - 1u;  // lanes below this one
   const bool aligned16 = (reinterpret_cast<uintptr_t>(topk) & 15u) == 0;
-  if (threadIdx.x == 0) s_bad = 0;
+  if (threadIdx.x == 0) {
+    s_bad = 0;
+    Stamp(c, kStampPhases + 2 * b);
+  }
   __syncthreads();
   if (b < R) {
     const int j = b, lo = j * c.El, hi = lo + c.El;
@@ -311,6 +330,7 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(p.epoch + kDispatchPrepCounter, 1ull);
+    Stamp(c, kStampPhases + 2 * b + 1);
   }
 }
 
@@ -337,6 +357,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
   const int nslots = c.expert ? w.counts_stride : 2;
   const int tid = threadIdx.x;
   const PeerTransport tr{p, p.base[r], 0, {}};  // control words only
+  if (tid == 0) Stamp(c, kStampStart);
 
   // This op's chunk counters start from zero; the barrier below publishes
   // that before any peer can add (window_layout.h).
@@ -359,12 +380,16 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     const uint32_t v[kOpConfigFields] = {static_cast<uint32_t>(c.T), static_cast<uint32_t>(c.H),
                                          static_cast<uint32_t>(c.K), static_cast<uint32_t>(c.E), fmt};
     for (int i = 0; i < kOpConfigFields; ++i) cfg.v[i] = v[i];
+    Stamp(c, kStampZeroed);
     PublishConfig(p, cfg);
     if (!rank_barrier(p, Op::kDispatch)) fail = true;
-    else if (!PeersShareConfig(p, Op::kDispatch)) fail = true;
+    Stamp(c, kStampBarrier1);
+    if (!fail && !PeersShareConfig(p, Op::kDispatch)) fail = true;
+    Stamp(c, kStampConfig);
     // The prep blocks' scratch words (read below, volatile: other SMs wrote
     // them during this kernel).
     if (!WaitBlocksDone(p, p.epoch + kDispatchPrepCounter, prep_blocks, Op::kDispatch)) fail = true;
+    Stamp(c, kStampPrepWait);
     if (static_cast<volatile int*>(scratch)[DispatchScratch::kBadIds] != 0) fail = true;
     s_fail = fail;
     s_tag = *p.epoch;
@@ -395,8 +420,10 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
   __syncthreads();
   if (tid == 0) {
     __threadfence_system();
+    Stamp(c, kStampCounts);
     if (!s_fail) tr.PutControlRows(Op::kDispatch, w.counts_off, w.counts_out_off, w.counts_stride, nslots);
     if (!rank_barrier(p, Op::kDispatch)) s_fail = 1;
+    Stamp(c, kStampBarrier2);
   }
   __syncthreads();
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.base[r] + w.counts_off);
@@ -407,6 +434,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     s_counts[idx] = static_cast<int>(static_cast<uint32_t>(word));
   }
   __syncthreads();
+  if (tid == 0) Stamp(c, kStampReadCounts);
   if (tid == 0 && !s_fail && s_badpeer != 0) {
     report_error(p, Op::kDispatch, Cause::kPeerTimeout, 0x80u | (__ffs(s_badpeer) - 1));
   }
@@ -460,6 +488,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     if (!c.expert) io.counts[tid] = v;
   }
   if (c.expert && tid < El) io.counts[tid] = ok ? padded : 0;
+  if (tid == 0) Stamp(c, kStampEnd);
 }
 
 // One launch for both: block 0 is the control block, blocks 1.. the prep
@@ -1006,6 +1035,67 @@ static int LaunchDeviceSms() {
   return n > 0 ? n : 24;
 }
 
+// JAX_EP_SETUP_STAMPS=1 (docs/design.md §7): the setup kernel's phase
+// times, printed to stderr by a host function queued behind it on the
+// stream (so no call waits for the host). Mapped pinned memory, one buffer
+// per device: the kernel writes it and the host function reads it.
+static unsigned long long* SetupStampsBuffer() {
+  static const bool on = EnvInt("JAX_EP_SETUP_STAMPS") > 0;
+  if (!on) return nullptr;
+  static std::mutex mu;
+  static unsigned long long* bufs[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (bufs[dev] == nullptr) {
+    void* ptr = nullptr;
+    if (cudaHostAlloc(&ptr, sizeof(unsigned long long) * kStampSlots, cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    std::memset(ptr, 0, sizeof(unsigned long long) * kStampSlots);
+    bufs[dev] = static_cast<unsigned long long*>(ptr);
+  }
+  return bufs[dev];
+}
+
+struct StampReport {
+  const unsigned long long* stamps;
+  int prep_blocks, rank_blocks, expert;
+};
+
+static void CUDART_CB PrintSetupStamps(void* arg) {
+  const StampReport* r = static_cast<const StampReport*>(arg);
+  const unsigned long long* t = r->stamps;
+  const auto us = [&](unsigned long long x) { return (static_cast<double>(x) - static_cast<double>(t[0])) * 1e-3; };
+  static const char* kNames[kStampPhases] = {"start", "zeroed", "barrier1", "config", "prep_wait",
+                                             "counts", "barrier2", "read_counts", "end"};
+  std::string line = r->expert ? "jax_ep setup stamps (expert layout), us:" : "jax_ep setup stamps (rank layout), us:";
+  char buf[96];
+  for (int i = 1; i < kStampPhases; ++i) {
+    std::snprintf(buf, sizeof(buf), " %s %.2f", kNames[i], us(t[i]));
+    line += buf;
+  }
+  // Prep blocks: the rank blocks, then the expert blocks (first start, last end).
+  for (int part = 0; part < 2; ++part) {
+    const int b0 = part == 0 ? 0 : r->rank_blocks, b1 = part == 0 ? r->rank_blocks : r->prep_blocks;
+    if (b1 <= b0) continue;
+    double first = 1e30, last = -1e30, longest = 0;
+    for (int b = b0; b < b1 && kStampPhases + 2 * b + 1 < kStampSlots; ++b) {
+      const double a = us(t[kStampPhases + 2 * b]), e = us(t[kStampPhases + 2 * b + 1]);
+      first = std::min(first, a);
+      last = std::max(last, e);
+      longest = std::max(longest, e - a);
+    }
+    std::snprintf(buf, sizeof(buf), " | %s prep x%d: first start %.2f, last end %.2f, longest %.2f",
+                  part == 0 ? "rank" : "expert", b1 - b0, first, last, longest);
+    line += buf;
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+  delete r;
+}
+
 // Experts per expert-layout prep block: the fewest that keep the blocks
 // (beside the control block and the R rank blocks) within one wave of SMs.
 static int PrepExpertsPerBlock(int E, int R, int sms) {
@@ -1131,7 +1221,10 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
     (void)cudaGetLastError();  // a hint: the launch works without it
   c.prep_experts = PrepExpertsPerBlock(c.E, R, LaunchDeviceSms());
   const int expert_blocks = c.expert ? (c.E + c.prep_experts - 1) / c.prep_experts : 0;
+  c.stamps = SetupStampsBuffer();
   DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
+  if (c.stamps != nullptr)
+    (void)cudaLaunchHostFunc(stream, PrintSetupStamps, new StampReport{c.stamps, R + expert_blocks, R, c.expert});
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;

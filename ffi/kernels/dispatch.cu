@@ -399,23 +399,29 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
   if (tid == 0 && s_err) s_fail = 1;
   __syncthreads();
   if (!s_fail) {
+    const volatile int* prep = scratch;  // written by the prep blocks
+    // Expert layout: the entries to each rank, summed over its experts by
+    // the whole block (integer adds: any order gives the same sum) into
+    // s_counts, free until the counts are read back below.
+    if (c.expert) {
+      for (int j = tid; j < R; j += blockDim.x) s_counts[j] = 0;
+      __syncthreads();
+      for (int e = tid; e < c.E; e += blockDim.x) atomicAdd(&s_counts[e / El], prep[sc.entries_per_expert + e]);
+      __syncthreads();
+    }
     for (int idx = tid; idx < R * nslots; idx += blockDim.x) {
       const int j = idx / nslots, i = idx % nslots;
-      const volatile int* prep = scratch;  // written by the prep blocks
       int v = 0;
-      if (i == 0) {
-        v = prep[sc.tokens_per_rank + j];
-      } else if (i == 1) {
-        if (c.expert)
-          for (int e = 0; e < El; ++e) v += prep[sc.entries_per_expert + j * El + e];
-      } else {
-        v = prep[sc.entries_per_expert + j * El + (i - 2)];
-      }
+      if (i == 0) v = prep[sc.tokens_per_rank + j];
+      else if (i == 1) v = c.expert ? s_counts[j] : 0;
+      else v = prep[sc.entries_per_expert + j * El + (i - 2)];
       const uint64_t word = MakeTagged(s_tag, static_cast<uint32_t>(v));
       // A GIN peer's row is staged here; thread 0 puts it below.
       StU64Volatile(tr.ControlWord(j, w.counts_off, w.counts_out_off, w.counts_stride, i), word);
     }
-    __threadfence_system();  // each writer: its counts are visible before the barrier's release
+    // Each writer, only: its counts are visible before the barrier's
+    // release (1024 threads' system fences cost ~2 us, session 12).
+    if (tid < R * nslots) __threadfence_system();
   }
   __syncthreads();
   if (tid == 0) {

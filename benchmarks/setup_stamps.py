@@ -11,7 +11,6 @@ median over the chain's calls, µs from the control block's start, per phase.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -110,11 +109,7 @@ def main(argv=None) -> int:
   import bench_normal as bn
   rec = dict(bench="setup_stamps", ranks=bn.Shape().ranks, calls=args.calls, phases_us=got,
              machine=bn._machine(gpus[:bn.Shape().ranks]), commit=bn._commit())
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "setup_stamps.json")
-  with open(path, "w") as f:
-    json.dump(rec, f, indent=1)
-  print(f"wrote {path}")
+  print(f"wrote {bn.write_records([rec], args.out, 'setup_stamps', repo_copy=False)}")
   return 0
 
 

@@ -13,9 +13,13 @@ inline int DeviceSms(int ordinal) {
   static std::atomic<int> cache[64] = {};
   if (ordinal < 0 || ordinal >= 64) return 0;
   int n = cache[ordinal].load(std::memory_order_relaxed);
-  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) == cudaSuccess && n > 0)
-    cache[ordinal].store(n, std::memory_order_relaxed);
-  return n > 0 ? n : 0;
+  if (n != 0) return n;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();  // the callers fall back; the launch must not report it
+    return 0;
+  }
+  cache[ordinal].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 }  // namespace jax_ep

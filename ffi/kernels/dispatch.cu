@@ -1034,20 +1034,31 @@ bool BulkCopiesEnabled() {
          }) == 2;
 }
 
-// SMs of the launch's device (24, the budget, where it cannot be asked).
+// The data kernels' SM budget beside compute (docs/design.md §6, DeepEP's
+// default).
+constexpr int kSmBudget = 24;
+
+// SMs of the launch's device (the budget where it cannot be asked).
 static int LaunchDeviceSms() {
   int dev = 0;
   const int n = cudaGetDevice(&dev) == cudaSuccess ? DeviceSms(dev) : 0;
-  return n > 0 ? n : 24;
+  return n > 0 ? n : kSmBudget;
 }
 
 // JAX_EP_SETUP_STAMPS=1 (docs/design.md §7): the setup kernel's phase
 // times, printed to stderr by a host function queued behind it on the
 // stream (so no call waits for the host). Mapped pinned memory, one buffer
-// per device: the kernel writes it and the host function reads it.
-static unsigned long long* SetupStampsBuffer() {
+// per device: the kernel writes it and the host function reads it. Not in
+// a stream capture (a replayed host node would reuse its report, and the
+// first allocation may not happen there).
+static unsigned long long* SetupStampsBuffer(cudaStream_t stream) {
   static const bool on = EnvInt("JAX_EP_SETUP_STAMPS") > 0;
   if (!on) return nullptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
   static std::mutex mu;
   static unsigned long long* bufs[64] = {};
   int dev = 0;
@@ -1127,7 +1138,7 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     const double per_cta = warps_per_block * 32.0 * kUnroll * 16.0;
     double ctas = std::ceil(bytes_in_flight / per_cta);
     if (num_ranks > 1) ctas = std::ceil(ctas * num_ranks / (num_ranks - 1.0));
-    cap = static_cast<int>(std::min(ctas, 24.0));
+    cap = static_cast<int>(std::min(ctas, static_cast<double>(kSmBudget)));
     // One rank: no link and no peer, so nothing to leave SMs for; the op is
     // a local copy (HBM to HBM) on the step's critical path, bound by the
     // SMs it gets (benchmarks/RESULTS.md, session 10: 24 CTAs 1.7 x slower
@@ -1225,12 +1236,19 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   if (cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                            cudaSharedmemCarveoutMaxL1) != cudaSuccess)
     (void)cudaGetLastError();  // a hint: the launch works without it
-  c.prep_experts = PrepExpertsPerBlock(c.E, R, LaunchDeviceSms());
+  // Beside compute (a *_start), the prep takes about as many SMs as the data
+  // kernel's budget instead of all of them.
+  c.prep_experts = PrepExpertsPerBlock(c.E, R, a.start ? kSmBudget + 1 + R : LaunchDeviceSms());
   const int expert_blocks = c.expert ? (c.E + c.prep_experts - 1) / c.prep_experts : 0;
-  c.stamps = SetupStampsBuffer();
+  c.stamps = SetupStampsBuffer(stream);
   DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
-  if (c.stamps != nullptr)
-    (void)cudaLaunchHostFunc(stream, PrintSetupStamps, new StampReport{c.stamps, R + expert_blocks, R, c.expert});
+  if (c.stamps != nullptr) {
+    auto* report = new StampReport{c.stamps, R + expert_blocks, R, c.expert};
+    if (cudaLaunchHostFunc(stream, PrintSetupStamps, report) != cudaSuccess) {
+      (void)cudaGetLastError();  // debugging output only: the op goes on
+      delete report;
+    }
+  }
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   const bool cast = a.cast_fp8;

@@ -115,6 +115,10 @@ CASES = [
     (128, 512, 8, 64, "bfloat16", "random"),
     (127, 2048, 8, 256, "fp8_pair", "random"),
     (4096, 7168, 8, 256, "fp8_pair", "random"),
+    # Issue 12's matrix corners at the design shape: every token to all 8
+    # experts (FP8), and 64 experts
+    (4096, 7168, 8, 8, "fp8_pair", "random"),
+    (4096, 7168, 8, 64, "bfloat16", "random"),
     # Expert-layout prep blocks: one expert each (E <= the SMs), T * K a
     # multiple of 4 and not (both load paths); more experts than an H200's
     # 132 SMs, so blocks take 3 and the last one 2 (at 1 or 2 ranks).

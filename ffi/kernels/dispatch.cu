@@ -207,12 +207,46 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
     // so the second pass reads nothing; longer spans read topk again.
     const bool keep = steps <= 32;
     uint32_t bits = 0;
+    if (vec4 && c.K <= 8) {
+      // Up to 8 ids per token in two 16-byte loads: each group of 4 steps
+      // issues all its loads before it looks at any, so they are in flight
+      // together (one load per round trip made the 4096-token block take
+      // 6.4 us, session 12).
+      constexpr int kGroup = 4;
+      const int4 none = make_int4(-1, -1, -1, -1);
+      for (int g = 0; g < steps; g += kGroup) {
+        int4 a[kGroup], z[kGroup];
+#pragma unroll
+        for (int u = 0; u < kGroup; ++u) {
+          const int t = t0 + (g + u) * 32 + lane;
+          const int4* row = reinterpret_cast<const int4*>(topk + static_cast<size_t>(t) * c.K);
+          const bool ok = g + u < steps && t < t1;
+          a[u] = ok ? __ldg(row) : none;
+          z[u] = ok && c.K > 4 ? __ldg(row + 1) : none;
+        }
+#pragma unroll
+        for (int u = 0; u < kGroup; ++u) {
+          bool in = false;
+          const int ids[8] = {a[u].x, a[u].y, a[u].z, a[u].w, z[u].x, z[u].y, z[u].z, z[u].w};
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            bad |= ids[k] < -1 || ids[k] >= c.E;
+            in |= ids[k] >= lo && ids[k] < hi;
+          }
+          if (g + u < steps) {
+            if (keep) bits |= static_cast<uint32_t>(in) << (g + u);
+            n += __popc(__ballot_sync(kFullMask, in));
+          }
+        }
+      }
+    } else {
 #pragma unroll 4
-    for (int i = 0; i < steps; ++i) {
-      const int t = t0 + i * 32 + lane;
-      const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, bad);
-      if (keep) bits |= static_cast<uint32_t>(in) << i;
-      n += __popc(__ballot_sync(kFullMask, in));
+      for (int i = 0; i < steps; ++i) {
+        const int t = t0 + i * 32 + lane;
+        const bool in = t < t1 && TokenInRank(c, topk, t, lo, hi, vec4, bad);
+        if (keep) bits |= static_cast<uint32_t>(in) << i;
+        n += __popc(__ballot_sync(kFullMask, in));
+      }
     }
     if (bad) atomicOr(&s_bad, 1);
     int offs[1], totals[1];

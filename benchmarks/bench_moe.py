@@ -563,14 +563,8 @@ def main(argv=None) -> int:
                   help="comma list of layers to time (jax_ep_shared: the overlap pair); default all")
   args = ap.parse_args(argv)
   impls = args.impls.split(",") if args.impls else None
-  try:
-    import jax
-    gpus = jax.devices("gpu")
-  except (ImportError, RuntimeError):
-    gpus = []
-  import jax_ep
-  if not gpus or not jax_ep.cuda_available():
-    print("bench_moe: needs GPUs and jax_ep's CUDA build; nothing measured", file=sys.stderr)
+  gpus = bn.require_two_gpus("bench_moe", need=1)
+  if gpus is None:
     return 2
   sizes = [512, 1024, 2048, 4096] if args.sweep else [args.tokens or 4096]
   records = []

@@ -88,14 +88,9 @@ def main(argv=None) -> int:
   if args.child:
     child(args.calls)
     return 0
-  try:
-    import jax
-    gpus = jax.devices("gpu")
-  except (ImportError, RuntimeError):
-    gpus = []
-  import jax_ep
-  if not gpus or not jax_ep.cuda_available():
-    print("setup_stamps: needs GPUs and jax_ep's CUDA build; nothing measured", file=sys.stderr)
+  import bench_normal as bn
+  gpus = bn.require_two_gpus("setup_stamps", need=1)
+  if gpus is None:
     return 2
   env = dict(os.environ, JAX_EP_SETUP_STAMPS="1")
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--calls", str(args.calls)],
@@ -106,7 +101,6 @@ def main(argv=None) -> int:
     return 1
   for layout, phases in got.items():
     print(f"  {layout:6s} " + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
-  import bench_normal as bn
   rec = dict(bench="setup_stamps", ranks=bn.Shape().ranks, calls=args.calls, phases_us=got,
              machine=bn._machine(gpus[:bn.Shape().ranks]), commit=bn._commit())
   print(f"wrote {bn.write_records([rec], args.out, 'setup_stamps', repo_copy=False)}")

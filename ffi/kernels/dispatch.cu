@@ -113,12 +113,11 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // inside a step, a scan of the warp totals gives each warp's start. That is
 // exactly the sequential count in ascending order the reference uses.
 constexpr int kPrepWarps = kPrepThreads / 32;
-// At most this many experts per expert-layout prep block. The ballots, not
-// the reads, are a block's cost (about 10 instructions per entry and expert
-// in each pass): 8 per block on 32 blocks took the setup from 26.7 us (1 on
-// 256) to 43.0 us (session 12). So the host spreads the experts over the
-// SMs, and a block takes more than one only when there are more experts than
-// SMs.
+// At most this many experts per expert-layout prep block. A block's ballots
+// grow with its experts (about 10 instructions per entry and expert in each
+// pass): 8 per block on 32 blocks took the setup from 26.7 us (1 on 256) to
+// 43.0 us (session 12). So the host spreads the experts over the SMs, and a
+// block takes more than one only when there are more experts than SMs.
 constexpr int kPrepExperts = 8;
 static_assert(kPrepThreads == kControlThreads, "prep and control blocks share one launch");
 static_assert(kPrepWarps <= 32, "one warp scans the warp totals");
@@ -152,6 +151,13 @@ __device__ __forceinline__ void PrepWarpOffsets(const int (&n)[NV], int (*s_warp
   }
 }
 
+// One id of a token: `in` if it lies in [lo, hi) (inside [0, E), so bad
+// ids never count), `bad` if it lies outside [-1, E).
+__device__ __forceinline__ void NoteId(int id, int lo, int hi, int E, bool& in, bool& bad) {
+  bad |= id < -1 || id >= E;
+  in |= id >= lo && id < hi;
+}
+
 // Does token t choose an expert in [lo, hi) (rank j's experts; that range
 // lies inside [0, E), so bad ids never count)? `bad` collects ids outside
 // [-1, E).
@@ -159,10 +165,7 @@ __device__ __forceinline__ bool TokenInRank(const DispatchCfg& c, const int32_t*
                                             int t, int lo, int hi, bool vec4, bool& bad) {
   const int32_t* row = topk + static_cast<size_t>(t) * c.K;
   bool in = false;
-  auto one = [&](int id) {
-    bad |= id < -1 || id >= c.E;
-    in |= id >= lo && id < hi;
-  };
+  auto one = [&](int id) { NoteId(id, lo, hi, c.E, in, bad); };
   if (vec4) {
     for (int k = 0; k < c.K; k += 4) {
       const int4 v = __ldg(reinterpret_cast<const int4*>(row + k));
@@ -229,10 +232,7 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
           bool in = false;
           const int ids[8] = {a[u].x, a[u].y, a[u].z, a[u].w, z[u].x, z[u].y, z[u].z, z[u].w};
 #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            bad |= ids[k] < -1 || ids[k] >= c.E;
-            in |= ids[k] >= lo && ids[k] < hi;
-          }
+          for (int k = 0; k < 8; ++k) NoteId(ids[k], lo, hi, c.E, in, bad);
           if (g + u < steps) {
             if (keep) bits |= static_cast<uint32_t>(in) << (g + u);
             n += __popc(__ballot_sync(kFullMask, in));

@@ -13,7 +13,6 @@
 // crosses ranks (rank 1's rows are added onto rank 0's partial sum), so a
 // partial sum per rank would round differently from the reference.
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -722,14 +721,6 @@ cudaError_t LaunchData(int grid, int send_blocks, uint32_t slot_bytes, uint32_t 
   return cudaSuccess;
 }
 
-int ReduceWarpsOverride() {
-  static const int v = [] {
-    const char* e = std::getenv("JAX_EP_REDUCE_WARPS");
-    return e ? std::atoi(e) : 0;
-  }();
-  return v;
-}
-
 }  // namespace
 
 size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout) {
@@ -780,13 +771,6 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   uint32_t slot_bytes = 0, piece = 0;
   if (BulkCopiesEnabled() && BulkWarpsFor(want_slot) > 0) {
     slot_bytes = static_cast<uint32_t>(want_slot);
-    piece = std::max<uint32_t>(16, slot_bytes / max_rows / 16 * 16);
-  }
-  // JAX_EP_REDUCE_WARPS=16 (debugging, one rank only: no senders, whose
-  // rows need whole-row slots): half-size slots, so 16 reducer warps fit.
-  if (R == 1 && slot_bytes > 0 && ReduceWarpsOverride() == kBulkMaxWarps && BulkWarpsFor(slot_bytes) < kBulkMaxWarps) {
-    const uint32_t unit = 16u * static_cast<uint32_t>(max_rows);
-    slot_bytes = std::max(unit, static_cast<uint32_t>(kBulkSmemBytes / (kBulkSlots * kBulkMaxWarps)) / unit * unit);
     piece = std::max<uint32_t>(16, slot_bytes / max_rows / 16 * 16);
   }
   const int threads = slot_bytes > 0 ? BulkWarpsFor(slot_bytes) * 32 : kThreads;

@@ -240,6 +240,19 @@ def test_rank_layout_combine_matches_the_dense_oracle_forward_and_gradients(cfg)
     MoE(64, 32, 8, 2, mesh=mesh, combine_layout="token", rngs=nnx.Rngs(0))
 
 
+def test_default_combine_layout_is_rank_across_ranks_and_expert_otherwise():
+  """None picks the layout with the fewest link bytes where there is a link
+  and the dispatch allows it: rank at EP >= 2 with bf16 rows; expert at one
+  rank and with FP8 rows (which the rank layout refuses)."""
+  kw = dict(rngs=nnx.Rngs(0))
+  assert MoE(128, 32, 8, 2, mesh=_mesh(), **kw).combine_layout == "rank"
+  assert MoE(128, 32, 8, 2, mesh=_mesh(), fp8_dispatch=True, **kw).combine_layout == "expert"
+  assert MoE(128, 32, 8, 2, mesh=_mesh((1,)), **kw).combine_layout == "expert"
+  two_d = _mesh((2, 2), ("dp", "ep"))
+  assert MoE(128, 32, 8, 2, mesh=two_d, data_axis="dp", **kw).combine_layout == "rank"
+  assert MoE(128, 32, 8, 2, mesh=_mesh(), combine_layout="expert", **kw).combine_layout == "expert"
+
+
 def test_shared_expert_adds_the_dense_mlp():
   mesh = _mesh()
   kw = dict(mesh=mesh, dtype=jnp.float32, backend="reference")

@@ -218,14 +218,18 @@ class MoE(nnx.Module):
       `dispatch_start` and `dispatch_done`, so that on CUDA it runs while the
       dispatch kernels move rows on the communicator's stream (identical
       results; bf16 dispatch only). Off by default until measured on GPUs.
-    combine_layout: "expert" (default): the rows travel per (token, expert)
-      and the combine sums all of a token's expert outputs in f32 in one
-      fixed order. "rank": the dispatch moves one row per (token, rank), the
-      rows are grouped by local expert on each rank (`jax_ep.ops.regroup`),
-      each token's local expert outputs are summed there (f32, then `dtype`)
-      and the combine adds one row per rank: at EP >= 2 the combine's link
+    combine_layout: "expert": the rows travel per (token, expert) and the
+      combine sums all of a token's expert outputs in f32 in one fixed
+      order. "rank": the dispatch moves one row per (token, rank), the rows
+      are grouped by local expert on each rank (`jax_ep.ops.regroup`), each
+      token's local expert outputs are summed there (f32, then `dtype`) and
+      the combine adds one row per rank: at EP >= 2 the combine's link
       bytes shrink K / R-fold (DeepEP's scheme), for one more rounding of
-      the partial sums and two local gathers. bf16 dispatch only.
+      the partial sums and two local gathers; bf16 dispatch only. None
+      (default): "rank" when `axis_name` has more than one rank and the
+      dispatch is bf16 (at the design shape, EP2, its combine sends ~4 100
+      rows instead of ~16 400), else "expert" (one rank: the two are level,
+      benchmarks/RESULTS.md session 12, and "expert" rounds once).
     fp8_dispatch: the rows travel as FP8 (e4m3, a scale per 128 channels) and
       are dequantised to `dtype` before the expert matmuls; H must be a
       multiple of 128. The backward is a straight-through estimator: the
@@ -244,7 +248,7 @@ class MoE(nnx.Module):
                routed_scaling_factor: float = 1.0, num_groups: Optional[int] = None,
                topk_groups: Optional[int] = None, shared_ffn: Optional[int] = None,
                shared_gated: bool = False, fp8_dispatch: bool = False,
-               overlap_shared: bool = False, combine_layout: str = "expert", rngs: nnx.Rngs):
+               overlap_shared: bool = False, combine_layout: Optional[str] = None, rngs: nnx.Rngs):
     _check_config(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk, mesh=mesh,
                   axis_name=axis_name, data_axis=data_axis, score_fn=score_fn,
                   routed_scaling_factor=routed_scaling_factor, num_groups=num_groups,
@@ -259,6 +263,8 @@ class MoE(nnx.Module):
       raise ValueError("overlap_shared needs a shared expert (shared_ffn) and a bf16 dispatch "
                        "(fp8_dispatch=False)")
     self.overlap_shared = bool(overlap_shared)
+    if combine_layout is None:
+      combine_layout = "rank" if mesh.shape[axis_name] > 1 and not fp8_dispatch else "expert"
     if combine_layout not in ("expert", "rank"):
       raise ValueError(f"combine_layout must be 'expert' or 'rank', got {combine_layout!r}")
     if combine_layout == "rank" and fp8_dispatch:

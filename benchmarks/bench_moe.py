@@ -7,6 +7,10 @@ one run, each variant warmed up before any is timed:
 
   jax_ep               dispatch (expert layout) -> grouped_matmul -> gelu ->
                        grouped_matmul -> combine: the kernels on GPU
+  jax_ep_rank_combine  rank-layout dispatch, rows regrouped by expert on each
+                       rank, per-rank partial sums, one combined row per
+                       (token, rank): jax_ep.nn.MoE's default at EP >= 2
+                       (`jax_ep` is its layout at one rank)
   reference            the same layer with dispatch / combine on jax_ep's
                        pure-JAX reference backend (the expert GEMMs stay on
                        grouped_matmul: ragged_dot's backward does not fit)

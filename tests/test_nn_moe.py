@@ -235,19 +235,17 @@ def test_rank_layout_combine_matches_the_dense_oracle_forward_and_gradients(cfg)
   layer_cfg = {k: v for k, v in cfg.items() if k != "overlap_shared"}  # what the oracle computes
   _assert_close_to_oracle(model, _tokens(mesh, 64, 64), layer_cfg)
   with pytest.raises(ValueError, match="combine_layout"):
-    MoE(128, 32, 8, 2, mesh=mesh, combine_layout="rank", fp8_dispatch=True, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="combine_layout"):
     MoE(64, 32, 8, 2, mesh=mesh, combine_layout="token", rngs=nnx.Rngs(0))
 
 
 def test_default_combine_layout_is_rank_across_ranks_and_expert_otherwise():
-  """None picks the layout with the fewest link bytes where there is a link
-  and the dispatch allows it: rank at EP >= 2 with bf16 rows; expert at one
-  rank and with FP8 rows (which the rank layout refuses)."""
+  """None picks the layout with the fewest link bytes where there is a link:
+  rank at EP >= 2 (bf16 or FP8 rows), expert at one rank."""
   kw = dict(rngs=nnx.Rngs(0))
   assert MoE(128, 32, 8, 2, mesh=_mesh(), **kw).combine_layout == "rank"
-  assert MoE(128, 32, 8, 2, mesh=_mesh(), fp8_dispatch=True, **kw).combine_layout == "expert"
+  assert MoE(128, 32, 8, 2, mesh=_mesh(), fp8_dispatch=True, **kw).combine_layout == "rank"
   assert MoE(128, 32, 8, 2, mesh=_mesh((1,)), **kw).combine_layout == "expert"
+  assert MoE(128, 32, 8, 2, mesh=_mesh((1,)), fp8_dispatch=True, **kw).combine_layout == "expert"
   two_d = _mesh((2, 2), ("dp", "ep"))
   assert MoE(128, 32, 8, 2, mesh=two_d, data_axis="dp", **kw).combine_layout == "rank"
   assert MoE(128, 32, 8, 2, mesh=_mesh(), combine_layout="expert", **kw).combine_layout == "expert"
@@ -324,10 +322,11 @@ def test_dp_by_ep_mesh_gives_the_ep_only_layer_results():
                                err_msg=k)
 
 
-def test_fp8_dispatch_is_close_to_bf16_and_its_backward_is_straight_through():
+@pytest.mark.parametrize("layout", ["expert", "rank"])
+def test_fp8_dispatch_is_close_to_bf16_and_its_backward_is_straight_through(layout):
   mesh = _mesh()
   cfg = dict(topk=2, shared_ffn=32)
-  kw = dict(mesh=mesh, dtype=jnp.float32, backend="reference", **cfg)
+  kw = dict(mesh=mesh, dtype=jnp.float32, backend="reference", combine_layout=layout, **cfg)
   m8 = MoE(128, 32, 8, fp8_dispatch=True, rngs=nnx.Rngs(2), **kw)
   m16 = MoE(128, 32, 8, rngs=nnx.Rngs(2), **kw)
   x = _tokens(mesh, 64, 128)

@@ -225,11 +225,11 @@ class MoE(nnx.Module):
       token's local expert outputs are summed there (f32, then `dtype`) and
       the combine adds one row per rank: at EP >= 2 the combine's link
       bytes shrink K / R-fold (DeepEP's scheme), for one more rounding of
-      the partial sums and two local gathers; bf16 dispatch only. None
-      (default): "rank" when `axis_name` has more than one rank and the
-      dispatch is bf16 (at the design shape, EP2, its combine sends ~4 100
-      rows instead of ~16 400), else "expert" (one rank: the two are level,
-      benchmarks/RESULTS.md session 12, and "expert" rounds once).
+      the partial sums and two local gathers. None (default): "rank" when
+      `axis_name` has more than one rank (at the design shape, EP2, its
+      combine sends ~4 100 rows instead of ~16 400), else "expert" (one
+      rank: the two are level, benchmarks/RESULTS.md session 12, and
+      "expert" rounds once).
     fp8_dispatch: the rows travel as FP8 (e4m3, a scale per 128 channels) and
       are dequantised to `dtype` before the expert matmuls; H must be a
       multiple of 128. The backward is a straight-through estimator: the
@@ -264,11 +264,9 @@ class MoE(nnx.Module):
                        "(fp8_dispatch=False)")
     self.overlap_shared = bool(overlap_shared)
     if combine_layout is None:
-      combine_layout = "rank" if mesh.shape[axis_name] > 1 and not fp8_dispatch else "expert"
+      combine_layout = "rank" if mesh.shape[axis_name] > 1 else "expert"
     if combine_layout not in ("expert", "rank"):
       raise ValueError(f"combine_layout must be 'expert' or 'rank', got {combine_layout!r}")
-    if combine_layout == "rank" and fp8_dispatch:
-      raise ValueError("combine_layout='rank' needs a bf16 dispatch (fp8_dispatch=False)")
     self.combine_layout = combine_layout
     init = jax.nn.initializers.lecun_normal()
     expert_init = jax.nn.initializers.lecun_normal(in_axis=1, out_axis=2)
@@ -389,9 +387,12 @@ def _fp8_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
 
 
 def _fp8_dispatch_fwd(x, topk_idx, topk_weights, cfg: _Cfg):
+  # Rows per (token, rank) or per (token, expert), as the combine wants;
+  # either way the backward below is that dispatch's exact bf16 transpose.
+  kw = (dict(layout="rank") if cfg.combine_layout == "rank" else
+        dict(layout="expert", expert_alignment=cfg.expert_alignment))
   out = dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
-                 axis_name=cfg.axis_name, layout="expert",
-                 expert_alignment=cfg.expert_alignment, fp8=True, backend=cfg.backend)
+                 axis_name=cfg.axis_name, fp8=True, backend=cfg.backend, **kw)
   q, scales = out.recv_x
   out = out._replace(recv_x=_fp8.dequantize(q, scales, cfg.dtype))
   return out, out.handle

@@ -17,14 +17,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
+#include "cuda_check.h"
 
 enum StoreKind { kPlain = 0, kNoAlloc = 1, kWriteThrough = 2, kRelaxedSys = 3 };
 

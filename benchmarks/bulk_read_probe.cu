@@ -10,8 +10,9 @@
 //   /tmp/bulk_read_probe [GiB] > bulk_read.jsonl
 //
 // Each line: {"ctas", "warps", "piece", "rows" (pieces per slot, each from
-// another random row), "consume" (0: wait only; 1: every lane reads the
-// slot and sums it as bf16 in f32), "gbps", "gbps_per_sm"}: median of 7.
+// another random row), "consume" (0: wait only; 1: the warp sums the
+// pieces channel by channel as bf16 in f32, as the reducer does), "gbps",
+// "gbps_per_sm"}: median of 7.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -65,16 +66,25 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int next = i + nw < tasks ? Issue(bulk, src, nrows, piece, rows, i + nw) : -1;
     bulk.Wait(cur);
     if (consume) {
-      const uint32_t* p = reinterpret_cast<const uint32_t*>(bulk.Slot(cur));
-      const uint32_t n = slot_bytes / 16;
-      for (uint32_t v = lane; v < n; v += 32) {
-        const uint4 q = reinterpret_cast<const uint4*>(p)[v];
-        const uint32_t x[4] = {q.x, q.y, q.z, q.w};
+      // As combine's reducer: each lane sums vector v of every piece, in
+      // piece order, into 8 independent f32 accumulators (bf16 channels).
+      const char* slot = bulk.Slot(cur);
+      const uint32_t nv = piece / 16;
+      for (uint32_t v = lane; v < nv; v += 32) {
+        float a[8];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          acc = __fadd_rn(acc, __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
-          acc = __fadd_rn(acc, __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
+        for (int k = 0; k < 8; ++k) a[k] = -0.f;
+        for (int r = 0; r < rows; ++r) {
+          const uint4 q = reinterpret_cast<const uint4*>(slot + static_cast<size_t>(r) * piece)[v];
+          const uint32_t x[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            a[2 * k] = __fadd_rn(a[2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
+            a[2 * k + 1] = __fadd_rn(a[2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
+          }
         }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc = __fadd_rn(acc, a[k]);
       }
     }
     __syncwarp();
@@ -120,15 +130,18 @@ int main(int argc, char** argv) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   struct Shape { uint32_t piece; int rows; };
-  const Shape shapes[] = {{14336, 1}, {7168, 1}, {1792, 8}, {896, 8}, {3584, 2}};
+  // {3584, 8}: the expert-layout reducer's rows in 4 pieces each; only 4
+  // warps' slots fit.
+  const Shape shapes[] = {{14336, 1}, {7168, 1}, {1792, 8}, {896, 8}, {3584, 2}, {3584, 8}};
   for (int ctas : {24, 48, sms}) {
-    for (int warps : {8, 16}) {
+    for (int warps : {4, 8, 16}) {
       for (const Shape& s : shapes) {
         const size_t smem = static_cast<size_t>(warps) * jax_ep::kBulkSlots * s.piece * s.rows;
         if (smem > jax_ep::kBulkSmemBytes) continue;
         for (int consume : {0, 1}) {
-          const float g = warps == 8 ? TimeOne<8>(src, nrows, ctas, s.piece, s.rows, consume, sink)
-                                     : TimeOne<16>(src, nrows, ctas, s.piece, s.rows, consume, sink);
+          const float g = warps == 4   ? TimeOne<4>(src, nrows, ctas, s.piece, s.rows, consume, sink)
+                          : warps == 8 ? TimeOne<8>(src, nrows, ctas, s.piece, s.rows, consume, sink)
+                                       : TimeOne<16>(src, nrows, ctas, s.piece, s.rows, consume, sink);
           std::printf("{\"ctas\": %d, \"warps\": %d, \"piece\": %u, \"rows\": %d, \"consume\": %d, "
                       "\"gbps\": %.1f, \"gbps_per_sm\": %.1f}\n",
                       ctas, warps, s.piece, s.rows, consume, g, g / ctas);

@@ -444,8 +444,10 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True,
     timing = "-" if t is None else f"{t * 1e3:9.2f} ms"
     gemms = "" if ratio is None else f"  x{ratio:.2f} of its GEMMs"
     print(f"  T={shape.tokens:5d} {impl:22s} {timing:>12s}{gemms}", flush=True)
-  if steps.get("jax_ep") is not None:
-    _profile_step(steps["jax_ep"], (params, x), records, quick)
+  # Profile the layout jax_ep.nn.MoE uses by default at this EP size.
+  layer = "jax_ep_rank_combine" if r_count > 1 and steps.get("jax_ep_rank_combine") else "jax_ep"
+  if steps.get(layer) is not None:
+    _profile_step(steps[layer], (params, x), records, quick, impl=layer)
   # The variants above and the GEMM step's operands held ~7 GiB buffers
   # each; the shared-expert steps ran out of memory behind them on one H200.
   del steps, gemm_step, gemm_args
@@ -529,9 +531,10 @@ def _concurrency(step, args) -> dict:
   return dict(comm_kernel_us=comm / 3, comm_concurrent_us=both / 3)
 
 
-def _profile_step(step, args, records: list[dict], quick: bool) -> None:
-  """The jax_ep step under jax.profiler: GPU time per step in dispatch /
-  combine kernels, in the expert GEMMs, and in everything else (XLA)."""
+def _profile_step(step, args, records: list[dict], quick: bool, impl: str = "jax_ep") -> None:
+  """A jax_ep step (its records: `impl`) under jax.profiler: GPU time per
+  step in dispatch / combine kernels, in the expert GEMMs, and in
+  everything else (XLA)."""
   import tempfile
   import jax
   iters, repeats = (1, 1) if quick else (2, 2)
@@ -551,7 +554,7 @@ def _profile_step(step, args, records: list[dict], quick: bool) -> None:
         f"({comm / max(total, 1e-9):.0%}), expert GEMMs {gemm:.0f} "
         f"({gemm / max(total, 1e-9):.0%})", flush=True)
   for r in records:
-    if r["impl"] == "jax_ep":
+    if r["impl"] == impl:
       r.update(gpu_kernel_us=total, dispatch_combine_us=comm, expert_gemm_us=gemm,
                dispatch_combine_share=comm / max(total, 1e-9))
 

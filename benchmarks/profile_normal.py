@@ -8,6 +8,16 @@ median start offset inside the call, and the median span of a whole call
 up as the difference between offsets and durations.
 
   python benchmarks/profile_normal.py [--tokens N] [--iters N] [--out DIR]
+
+With --plain-calls N it only makes N plain dispatch + combine calls (no
+jax.profiler, which would hold CUPTI), on one GPU or two, for a kernel
+profiler, e.g.
+
+  ncu --clock-control none -k regex:CombineDataKernel -s 2 -c 1 \
+      --section SpeedOfLight --section WarpStateStats \
+      python3 benchmarks/profile_normal.py --plain-calls 3 --layout expert
+
+(-s 2 skips the first calls).
 """
 from __future__ import annotations
 
@@ -111,8 +121,12 @@ def main(argv=None) -> int:
   ap.add_argument("--tokens", type=int, default=4096)
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--layout", choices=("rank", "expert"), default="rank")
+  ap.add_argument("--plain-calls", type=int, default=0,
+                  help="only this many dispatch + combine calls, for ncu (one GPU is enough)")
+  ap.add_argument("--num-sms", type=int, default=None)
   args = ap.parse_args(argv)
-  gpus = bench_normal.require_two_gpus("profile_normal")
+  gpus = bench_normal.require_two_gpus("profile_normal", need=1 if args.plain_calls else 2)
   if gpus is None:
     return 2
   import jax
@@ -120,20 +134,30 @@ def main(argv=None) -> int:
   import jax_ep
   from jax_ep._ffi_dispatch import window_bytes_needed
 
-  shape = bench_normal.Shape(tokens=args.tokens)
-  mesh = Mesh(np.array(gpus[:2]), ("ep",))
+  gpus = gpus[:2]
+  shape = bench_normal.Shape(tokens=args.tokens, ranks=len(gpus))
+  mesh = Mesh(np.array(gpus), ("ep",))
   x, topk_idx, w = bench_normal._routing(jax.random.PRNGKey(0), shape)
   smap = functools.partial(jax_ep.shard_map, mesh=mesh)
-  disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
-  nbytes = max(1 << 30, window_bytes_needed(num_ranks=2, tokens_per_rank=shape.tokens,
+  disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep",
+                           layout=args.layout, num_sms=args.num_sms, backend="cuda")
+  nbytes = max(1 << 30, window_bytes_needed(num_ranks=len(gpus), tokens_per_rank=shape.tokens,
                                             hidden=shape.hidden, topk=shape.topk,
                                             num_experts=shape.experts))
   rows = []
   with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes):
-    out = jax.jit(smap(lambda x, i, w: disp(x, i, w, backend="cuda")))(x, topk_idx, w)
-    row_w = out.recv_topk_weights.max(axis=-1)
-    f_d = smap(lambda x, i, w: disp(x, i, w, backend="cuda").recv_x)
-    f_c = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, backend="cuda"))
+    j_d = jax.jit(smap(disp))
+    f_c = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, num_sms=args.num_sms, backend="cuda"))
+    out = j_d(x, topk_idx, w)
+    # Rank-layout rows carry K weights; combine takes one per row.
+    row_w = out.recv_topk_weights if args.layout == "expert" else out.recv_topk_weights.max(axis=-1)
+    if args.plain_calls:
+      j_c = jax.jit(f_c)
+      for _ in range(args.plain_calls):
+        out = j_d(x, topk_idx, w)
+        jax.block_until_ready(j_c(out.recv_x, out.handle, row_w))
+      return 0
+    f_d = smap(lambda x, i, w: disp(x, i, w).recv_x)
     for op, fn, a in (("dispatch", f_d, (x, topk_idx, w)),
                       ("combine", f_c, (out.recv_x, out.handle, row_w))):
       t = bench_normal._time_step(fn, a, iters=args.iters, repeats=3)

@@ -113,10 +113,10 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 // inside a step, a scan of the warp totals gives each warp's start. That is
 // exactly the sequential count in ascending order the reference uses.
 constexpr int kPrepWarps = kPrepThreads / 32;
-// At most this many experts per expert-layout prep block. A block's ballots
-// grow with its experts (about 10 instructions per entry and expert in each
-// pass): 8 per block on 32 blocks took the setup from 26.7 us (1 on 256) to
-// 43.0 us (session 12). So the host spreads the experts over the SMs, and a
+// At most this many experts per expert-layout prep block. A block's work
+// grows with its experts (compares per entry and expert in both passes,
+// ballots in the second): 8 per block on 32 blocks took the setup from
+// 26.7 us (1 on 256) to 43.0 us (session 12). So the host spreads the experts over the SMs, and a
 // block takes more than one only when there are more experts than SMs.
 constexpr int kPrepExperts = 8;
 static_assert(kPrepThreads == kControlThreads, "prep and control blocks share one launch");

@@ -13,7 +13,6 @@
 // crosses ranks (rank 1's rows are added onto rank 0's partial sum), so a
 // partial sum per rank would round differently from the reference.
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -705,42 +704,15 @@ cudaError_t LaunchBulk(int grid, int send_blocks, uint32_t slot_bytes, uint32_t 
 template <bool kHasW, typename TY>
 cudaError_t LaunchBulk(int warps, int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
                        const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  if (warps == kBulkMaxWarps) return LaunchBulk<kHasW, TY, kBulkMaxWarps>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
-  if (warps == 8) return LaunchBulk<kHasW, TY, 8>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
-  return LaunchBulk<kHasW, TY, 4>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
-}
-
-// BulkWarpsFor, and 4 warps where only that many fit (the reducers' wide
-// slots, ReducerSlotBytes).
-static int CombineBulkWarps(size_t slot_bytes) {
-  const int w = BulkWarpsFor(slot_bytes);
-  return w > 0 ? w : (slot_bytes * kBulkSlots * 4 <= kBulkSmemBytes ? 4 : 0);
-}
-
-// A reducer slot holds one piece of each of a token's `max_rows` rows. The
-// bulk loads' size sets an SM's read rate (docs/design.md §1: 1792-byte
-// pieces ~77 GB/s, >= 3.5 KiB ~123 GB/s), so JAX_EP_REDUCE_PIECE=N (bytes,
-// debugging) widens the slots to pieces of at least N where 4 warps' slots
-// still fit.
-static size_t ReducerSlotBytes(size_t row_bytes, int max_rows) {
-  size_t slot = std::max<size_t>(row_bytes, 16 * static_cast<size_t>(max_rows));
-  static const long min_piece = [] {
-    const char* e = std::getenv("JAX_EP_REDUCE_PIECE");
-    return e ? std::atol(e) : 0L;
-  }();
-  if (min_piece > 0) {
-    const size_t piece = std::min<size_t>(row_bytes, static_cast<size_t>(min_piece)) / 16 * 16;
-    const size_t wide = std::max(slot, piece * static_cast<size_t>(max_rows));
-    if (CombineBulkWarps(wide) > 0) slot = wide;
-  }
-  return slot;
+  return warps == kBulkMaxWarps ? LaunchBulk<kHasW, TY, kBulkMaxWarps>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
+                                : LaunchBulk<kHasW, TY, 8>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
 }
 
 template <typename TY>
 cudaError_t LaunchData(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
                        const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
   if (slot_bytes > 0) {
-    const int warps = CombineBulkWarps(slot_bytes);
+    const int warps = BulkWarpsFor(slot_bytes);
     return c.has_w ? LaunchBulk<true, TY>(warps, grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
                    : LaunchBulk<false, TY>(warps, grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
   }
@@ -795,13 +767,13 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   // loads while this token's last one is summed.
   // JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
   const int max_rows = c.expert ? c.K : R;
-  const size_t want_slot = ReducerSlotBytes(w.payload_bytes, max_rows);
+  const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
   uint32_t slot_bytes = 0, piece = 0;
-  if (BulkCopiesEnabled() && CombineBulkWarps(want_slot) > 0) {
+  if (BulkCopiesEnabled() && BulkWarpsFor(want_slot) > 0) {
     slot_bytes = static_cast<uint32_t>(want_slot);
     piece = std::max<uint32_t>(16, slot_bytes / max_rows / 16 * 16);
   }
-  const int threads = slot_bytes > 0 ? CombineBulkWarps(slot_bytes) * 32 : kThreads;
+  const int threads = slot_bytes > 0 ? BulkWarpsFor(slot_bytes) * 32 : kThreads;
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);

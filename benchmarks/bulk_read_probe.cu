@@ -11,8 +11,10 @@
 //
 // Each line: {"ctas", "warps", "piece", "rows" (pieces per slot, each from
 // another random row), "consume" (0: wait only; 1: the warp sums the
-// pieces channel by channel as bf16 in f32, as the reducer does), "gbps",
-// "gbps_per_sm"}: median of 7.
+// pieces channel by channel as bf16 in f32, as the reducer does; 2: the
+// same sums with eight rows' loads from shared memory issued first; 3, 4:
+// the sums of 1, 2 alone, no loads; session 13's figures used one vector
+// per lane, row by row), "gbps", "gbps_per_sm"}: median of 7.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -50,6 +52,54 @@ __device__ __forceinline__ int Issue(BulkSlots& bulk, const char* src, uint32_t 
   return s;
 }
 
+// Each lane sums vectors of every piece, in piece order, into 8 f32
+// accumulators per vector (bf16 channels), as combine's reducer does: kU
+// vectors per lane at a time, the vectors of kR rows loaded from shared
+// memory before any is added. The reducer is <1, kSmemUnroll = 4>.
+template <int kR, int kU>
+__device__ __forceinline__ float SumLoadsFirst(const char* slot, uint32_t piece, int rows, int lane) {
+  float acc = 0.f;
+  const int nv = static_cast<int>(piece / 16);
+  for (int base = 0; base < nv; base += 32 * kU) {
+    float a[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[u][k] = -0.f;
+    for (int r0 = 0; r0 < rows; r0 += kR) {
+      uint4 q[kR][kU];
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int v = base + u * 32 + lane;
+          q[r][u] = (r0 + r < rows && v < nv)
+                        ? reinterpret_cast<const uint4*>(slot + static_cast<size_t>(r0 + r) * piece)[v]
+                        : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const uint32_t x[4] = {q[r][u].x, q[r][u].y, q[r][u].z, q[r][u].w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            a[u][2 * k] = __fadd_rn(a[u][2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
+            a[u][2 * k + 1] = __fadd_rn(a[u][2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
+          }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc = __fadd_rn(acc, a[u][k]);
+  }
+  return acc;
+}
+
+// consume: 0 wait only; 1 the reducer's sum; 2 eight rows' loads first; 3, 4: the sums
+// of 1 and 2 on whatever the slots hold, with no loads at all (the sum's
+// own rate).
 template <int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     Probe(const char* src, uint32_t nrows, uint32_t piece, int rows, uint32_t tasks, int consume, float* sink) {
@@ -59,38 +109,245 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   BulkSlots bulk = jax_ep::WarpBulkSlots<true>(smem, bars, slot_bytes);
   const uint32_t w = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   const int lane = threadIdx.x & 31;
+  const bool loads = consume < 3;
   float acc = 0.f;
   if (w >= tasks) return;
-  int cur = Issue(bulk, src, nrows, piece, rows, w);
+  int cur = loads ? Issue(bulk, src, nrows, piece, rows, w) : 0;
   for (uint32_t i = w; i < tasks; i += nw) {
-    const int next = i + nw < tasks ? Issue(bulk, src, nrows, piece, rows, i + nw) : -1;
-    bulk.Wait(cur);
-    if (consume) {
-      // As combine's reducer: each lane sums vector v of every piece, in
-      // piece order, into 8 independent f32 accumulators (bf16 channels).
-      const char* slot = bulk.Slot(cur);
-      const uint32_t nv = piece / 16;
-      for (uint32_t v = lane; v < nv; v += 32) {
-        float a[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) a[k] = -0.f;
-        for (int r = 0; r < rows; ++r) {
-          const uint4 q = reinterpret_cast<const uint4*>(slot + static_cast<size_t>(r) * piece)[v];
-          const uint32_t x[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            a[2 * k] = __fadd_rn(a[2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
-            a[2 * k + 1] = __fadd_rn(a[2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc = __fadd_rn(acc, a[k]);
-      }
+    int next = 1 - cur;
+    if (loads) {
+      next = i + nw < tasks ? Issue(bulk, src, nrows, piece, rows, i + nw) : -1;
+      bulk.Wait(cur);
     }
+    const char* slot = bulk.Slot(cur < 0 ? 0 : cur);
+    if (consume == 1 || consume == 3) acc = __fadd_rn(acc, SumLoadsFirst<1, 4>(slot, piece, rows, lane));
+    if (consume == 2 || consume == 4) acc = __fadd_rn(acc, SumLoadsFirst<8, 2>(slot, piece, rows, lane));
     __syncwarp();
     cur = next;
   }
   if (acc == 1.2345f) sink[0] = acc;  // keeps the sums
+}
+
+// The ring alternative: a CTA-wide ring of slots filled by one producer
+// warp (its lane 0 issues every load) and summed by groups of kGroup
+// consumer warps, a group per slot. A slot is then held only while its
+// group sums it (kGroup warps sharing the work), so the rest of the ring
+// stays in flight; with per-warp slots, each warp's slot is held for the
+// whole of its slow one-warp sum.
+__device__ __forceinline__ void MbarInit(uint64_t* b, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(jax_ep::SmemAddr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* b, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(jax_ep::SmemAddr(b)), "r"(parity)
+                 : "memory");
+}
+
+constexpr int kRingMax = 32;
+
+template <int kWarps, int kGroup>
+__global__ void __launch_bounds__((kWarps + 1) * 32, 1)
+    ProbeRing(const char* src, uint32_t nrows, uint32_t piece, int rows, uint32_t tasks, int nslots, float* sink) {
+  __shared__ uint64_t full[kRingMax], empty[kRingMax];
+  extern __shared__ __align__(128) char smem[];
+  constexpr int kGroups = kWarps / kGroup;
+  const uint32_t slot_bytes = piece * static_cast<uint32_t>(rows);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nslots; ++s) {
+      MbarInit(full + s, 1);
+      MbarInit(empty + s, kGroup);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // This CTA's tasks: blockIdx.x + j * gridDim.x, slot j % nslots.
+  const uint32_t mine = tasks > blockIdx.x ? (tasks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const uint32_t per_row = kRowBytes / piece;
+  if (warp == kWarps) {
+    if (lane != 0) return;
+    for (uint32_t j = 0; j < mine; ++j) {
+      const int s = static_cast<int>(j % nslots);
+      if (j >= static_cast<uint32_t>(nslots)) MbarWait(empty + s, ((j / nslots) - 1) & 1u);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(jax_ep::SmemAddr(full + s)),
+                   "r"(slot_bytes) : "memory");
+      const uint32_t i = blockIdx.x + j * gridDim.x;
+      const uint32_t off = (i % per_row) * piece;
+      for (int r = 0; r < rows; ++r) {
+        const uint32_t row = Mix(i * 8u + static_cast<uint32_t>(r)) % nrows;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(jax_ep::SmemAddr(smem + static_cast<size_t>(s) * slot_bytes + r * piece)),
+                     "l"(src + static_cast<size_t>(row) * kRowBytes + off), "r"(piece),
+                     "r"(jax_ep::SmemAddr(full + s)) : "memory");
+      }
+    }
+    return;
+  }
+  const int group = warp / kGroup, gt = (warp % kGroup) * 32 + lane;  // thread in group
+  const int nv = static_cast<int>(piece / 16);
+  float acc = 0.f;
+  for (uint32_t j = group; j < mine; j += kGroups) {
+    const int s = static_cast<int>(j % nslots);
+    MbarWait(full + s, (j / nslots) & 1u);
+    const char* slot = smem + static_cast<size_t>(s) * slot_bytes;
+    for (int v = gt; v < nv; v += kGroup * 32) {
+      float a[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[k] = -0.f;
+      for (int r = 0; r < rows; ++r) {
+        const uint4 q = reinterpret_cast<const uint4*>(slot + static_cast<size_t>(r) * piece)[v];
+        const uint32_t x[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          a[2 * k] = __fadd_rn(a[2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
+          a[2 * k + 1] = __fadd_rn(a[2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc = __fadd_rn(acc, a[k]);
+    }
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(jax_ep::SmemAddr(empty + s)) : "memory");
+  }
+  if (acc == 1.2345f) sink[0] = acc;
+}
+
+template <int kWarps, int kGroup>
+float TimeRing(const char* src, uint32_t nrows, int ctas, uint32_t piece, int rows, float* sink) {
+  const size_t slot = static_cast<size_t>(piece) * rows;
+  // A multiple of the groups: slot s is then always summed by group
+  // s % groups, in order, so a group never waits on a slot's next use
+  // while another group still holds its current one.
+  constexpr int kGroups = kWarps / kGroup;
+  const int nslots = static_cast<int>(std::min<size_t>(kRingMax, jax_ep::kBulkSmemBytes / slot)) / kGroups * kGroups;
+  if (nslots < 2 * kGroups) return 0.f;
+  const size_t smem = nslots * slot;
+  CK(cudaFuncSetAttribute(ProbeRing<kWarps, kGroup>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          static_cast<int>(smem)));
+  const uint32_t tasks = static_cast<uint32_t>((1u << 30) / slot);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 8; ++rep) {
+    CK(cudaEventRecord(a));
+    ProbeRing<kWarps, kGroup><<<ctas, (kWarps + 1) * 32, smem>>>(src, nrows, piece, rows, tasks, nslots, sink);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return static_cast<float>(static_cast<double>(tasks) * slot / (ms[ms.size() / 2] * 1e-3) / 1e9);
+}
+
+// Mode 5, a ring per warp of piece-sized slots released one piece at a
+// time: a lane copies its vectors of a piece into registers, the slot is
+// reloaded at once (the piece kRing ahead), and only then are they summed
+// into the lane's accumulators (kept across the task's rows, so a piece is
+// read once). Nearly the whole ring stays in flight while the warp sums,
+// where with two task-sized slots the one being summed is not.
+constexpr int kRing = 32;
+
+template <int kWarps, int kU>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    ProbeSub(const char* src, uint32_t nrows, uint32_t piece, int rows, uint32_t tasks, int nsub, float* sink) {
+  __shared__ uint64_t bars[kWarps * kRing];
+  extern __shared__ __align__(128) char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint64_t* bar = bars + warp * kRing;
+  char* ring = smem + static_cast<size_t>(warp) * nsub * piece;
+  if (lane == 0) {
+    for (int s = 0; s < nsub; ++s) MbarInit(bar + s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  const uint32_t w = blockIdx.x * kWarps + warp, nw = gridDim.x * kWarps;
+  if (w >= tasks) return;
+  const uint32_t mine = (tasks - w + nw - 1) / nw;
+  const uint32_t total = mine * static_cast<uint32_t>(rows);  // pieces this warp loads
+  const uint32_t per_row = kRowBytes / piece;
+  // Piece q: row q % rows of task w + (q / rows) * nw.
+  auto issue = [&](uint32_t q) {
+    if (lane != 0 || q >= total) return;
+    const int s = static_cast<int>(q % nsub);
+    const uint32_t i = w + (q / rows) * nw, r = q % rows;
+    const uint32_t row = Mix(i * 8u + r) % nrows;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(jax_ep::SmemAddr(bar + s)),
+                 "r"(piece) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(jax_ep::SmemAddr(ring + static_cast<size_t>(s) * piece)),
+                 "l"(src + static_cast<size_t>(row) * kRowBytes + (i % per_row) * piece), "r"(piece),
+                 "r"(jax_ep::SmemAddr(bar + s)) : "memory");
+  };
+  for (int q = 0; q < nsub; ++q) issue(q);
+  const int nv = static_cast<int>(piece / 16);
+  float acc = 0.f;
+  uint32_t q = 0;
+  for (uint32_t t = 0; t < mine; ++t) {
+    float a[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[u][k] = -0.f;
+    for (int r = 0; r < rows; ++r, ++q) {
+      const int s = static_cast<int>(q % nsub);
+      MbarWait(bar + s, (q / nsub) & 1u);
+      const uint4* v4 = reinterpret_cast<const uint4*>(ring + static_cast<size_t>(s) * piece);
+      uint4 x[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) x[u] = u * 32 + lane < nv ? v4[u * 32 + lane] : make_uint4(0, 0, 0, 0);
+      __syncwarp();
+      issue(q + nsub);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint32_t y[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          a[u][2 * k] = __fadd_rn(a[u][2 * k], __fmul_rn(0.5f, __uint_as_float(y[k] << 16)));
+          a[u][2 * k + 1] = __fadd_rn(a[u][2 * k + 1], __fmul_rn(0.5f, __uint_as_float(y[k] & 0xffff0000u)));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc = __fadd_rn(acc, a[u][k]);
+  }
+  if (acc == 1.2345f) sink[0] = acc;
+}
+
+template <int kWarps, int kU>
+float TimeSub(const char* src, uint32_t nrows, int ctas, uint32_t piece, int rows, float* sink) {
+  if (piece > kU * 32 * 16) return 0.f;
+  const size_t room = jax_ep::kBulkSmemBytes - sizeof(uint64_t) * kWarps * kRing;  // less the mbarriers
+  const int nsub = static_cast<int>(std::min<size_t>(kRing, room / (kWarps * piece)));
+  const size_t smem = static_cast<size_t>(kWarps) * nsub * piece;
+  CK(cudaFuncSetAttribute(ProbeSub<kWarps, kU>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const uint32_t tasks = static_cast<uint32_t>((1u << 30) / (static_cast<uint64_t>(piece) * rows));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 8; ++rep) {
+    CK(cudaEventRecord(a));
+    ProbeSub<kWarps, kU><<<ctas, kWarps * 32, smem>>>(src, nrows, piece, rows, tasks, nsub, sink);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return static_cast<float>(static_cast<double>(tasks) * piece * rows / (ms[ms.size() / 2] * 1e-3) / 1e9);
 }
 
 template <int kWarps>
@@ -132,13 +389,13 @@ int main(int argc, char** argv) {
   struct Shape { uint32_t piece; int rows; };
   // {3584, 8}: the expert-layout reducer's rows in 4 pieces each; only 4
   // warps' slots fit.
-  const Shape shapes[] = {{14336, 1}, {7168, 1}, {1792, 8}, {896, 8}, {3584, 2}, {3584, 8}};
-  for (int ctas : {24, 48, sms}) {
+  const Shape shapes[] = {{14336, 1}, {7168, 2}, {1792, 8}, {896, 8}, {3584, 8}};
+  for (int ctas : {24, sms}) {
     for (int warps : {4, 8, 16}) {
       for (const Shape& s : shapes) {
         const size_t smem = static_cast<size_t>(warps) * jax_ep::kBulkSlots * s.piece * s.rows;
         if (smem > jax_ep::kBulkSmemBytes) continue;
-        for (int consume : {0, 1}) {
+        for (int consume : {0, 1, 2, 3, 4}) {
           const float g = warps == 4   ? TimeOne<4>(src, nrows, ctas, s.piece, s.rows, consume, sink)
                           : warps == 8 ? TimeOne<8>(src, nrows, ctas, s.piece, s.rows, consume, sink)
                                        : TimeOne<16>(src, nrows, ctas, s.piece, s.rows, consume, sink);
@@ -147,6 +404,38 @@ int main(int argc, char** argv) {
                       ctas, warps, s.piece, s.rows, consume, g, g / ctas);
           std::fflush(stdout);
         }
+      }
+    }
+  }
+  // Mode 5: per-warp rings of pieces.
+  const Shape subs[] = {{1792, 8}, {3584, 8}, {896, 8}, {1792, 2}, {3584, 2}, {1792, 1}, {3584, 1}};
+  for (int ctas : {24, sms}) {
+    for (const Shape& s : subs) {
+      const struct { int warps, u; float (*f)(const char*, uint32_t, int, uint32_t, int, float*); } rs[] = {
+          {4, 8, TimeSub<4, 8>}, {8, 4, TimeSub<8, 4>}, {8, 8, TimeSub<8, 8>}, {16, 4, TimeSub<16, 4>}};
+      for (const auto& r : rs) {
+        const float g = r.f(src, nrows, ctas, s.piece, s.rows, sink);
+        if (g == 0.f) continue;
+        std::printf("{\"sub\": 1, \"ctas\": %d, \"warps\": %d, \"u\": %d, \"piece\": %u, \"rows\": %d, "
+                    "\"consume\": 5, \"gbps\": %.1f, \"gbps_per_sm\": %.1f}\n",
+                    ctas, r.warps, r.u, s.piece, s.rows, g, g / ctas);
+        std::fflush(stdout);
+      }
+    }
+  }
+  // The ring: 8 or 16 consumer warps in groups of 1, 2 or 4, plus the
+  // producer warp ("warps" counts the consumers; "group" the warps per slot).
+  for (int ctas : {24, sms}) {
+    for (const Shape& s : shapes) {
+      const struct { int warps, group; float (*f)(const char*, uint32_t, int, uint32_t, int, float*); } rs[] = {
+          {8, 1, TimeRing<8, 1>}, {8, 2, TimeRing<8, 2>}, {8, 4, TimeRing<8, 4>},
+          {16, 2, TimeRing<16, 2>}, {16, 4, TimeRing<16, 4>}};
+      for (const auto& r : rs) {
+        const float g = r.f(src, nrows, ctas, s.piece, s.rows, sink);
+        std::printf("{\"ring\": 1, \"ctas\": %d, \"warps\": %d, \"group\": %d, \"piece\": %u, \"rows\": %d, "
+                    "\"consume\": 1, \"gbps\": %.1f, \"gbps_per_sm\": %.1f}\n",
+                    ctas, r.warps, r.group, s.piece, s.rows, g, g / ctas);
+        std::fflush(stdout);
       }
     }
   }

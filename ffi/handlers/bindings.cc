@@ -154,6 +154,8 @@ jax_ep::GroupSpec MakeGroup(const nb::bytes& unique_id, int nranks, std::vector<
 
 }  // namespace
 
+void RegisterLoopbackBindings(nb::module_& m);  // handlers/loopback.cc (tests)
+
 void RegisterCudaBindings(nb::module_& m) {
   m.def(
       "get_unique_id",
@@ -416,4 +418,5 @@ void RegisterCudaBindings(nb::module_& m) {
   m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
   m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);
   m.attr("window_header_bytes") = jax_ep::kWindowHeaderBytes;
+  RegisterLoopbackBindings(m);
 }

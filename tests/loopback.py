@@ -1,0 +1,128 @@
+"""Virtual EP ranks on one GPU (ffi/handlers/loopback.cc, docs/design.md §8).
+
+The normal and low-latency kernels of R ranks, each rank on its own stream,
+their windows side by side in one GPU's memory: the multi-rank paths
+(counts exchange, barriers, peer stores, chunk signals, emulated GIN) run
+where only one GPU is lent. Host arrays in and out, stacked on a leading
+rank axis as in tests/oracle.py; no XLA, no NCCL.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jax_ep import _native
+from oracle import BF16, F32, FP8
+
+F16 = np.dtype(np.float16)
+_DTYPE_CODE = {BF16: 0, F16: 1, F32: 2, FP8: 3}  # ffi/kernels/ep_kernels.h EpDtype
+_LAYOUT_CODE = {"rank": 0, "expert": 1}
+
+
+class LoopbackError(RuntimeError):
+  """A kernel reported an error on some virtual rank (status word)."""
+
+
+class Loopback:
+  def __init__(self, nranks: int, window_bytes: int, *, gin_emulated: bool = False,
+               timeout_s: float = 10.0, device: int = 0):
+    self.R = nranks
+    self._m = _native.module()
+    self.id = self._m.loopback_create(device, nranks, int(window_bytes), timeout_s, gin_emulated)
+
+  def close(self):
+    self._m.loopback_destroy(self.id)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def run(self, op: str, scalars: dict, inputs: list, outputs: dict, *, check: bool = True):
+    """inputs: per rank {name: array}; outputs: {name: (shape, dtype)}, the
+    same on every rank. Returns (per rank {name: array}, per rank report)."""
+    ins = [{k: np.ascontiguousarray(v).tobytes() for k, v in d.items()} for d in inputs]
+    sizes = {k: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+             for k, (shape, dt) in outputs.items()}
+    outs, reports = self._m.loopback_run(self.id, op, {k: int(v) for k, v in scalars.items()}, ins, sizes)
+    arrays = [{k: np.frombuffer(o[k], dtype=outputs[k][1]).reshape(outputs[k][0]) for k in outputs}
+              for o in outs]
+    if check and any(reports):
+      raise LoopbackError("; ".join(r for r in reports if r))
+    return arrays, reports
+
+  def dispatch(self, payload: tuple, idx, w, *, E: int, C: int, layout: str, align: int = 1,
+               cast_fp8: bool = False, ue8m0: bool = False, num_sms: int = 0, check: bool = True):
+    """payload: (x[R, T, H],) or an FP8 pair (q, scales[R, T, H/128]);
+    idx / w [R, T, K]. Returns per rank the dispatch's outputs by their FFI
+    names (ffi/handlers/dispatch.cc)."""
+    R, T, K = idx.shape
+    x = payload[0]
+    H = x.shape[2]
+    fp8 = x.dtype == FP8 or cast_fp8
+    El = E // R
+    meta = (C, K) if layout == "rank" else (C,)
+    outputs = dict(
+        recv_x=((C, H), FP8 if fp8 else x.dtype), recv_topk_idx=(meta, np.int32),
+        recv_topk_weights=(meta, np.float32),
+        counts=((R,) if layout == "rank" else (El,), np.int32),
+        pos_in_rank=((T, R), np.int32), recv_src_rank=((C,), np.int32),
+        recv_src_token=((C,), np.int32), recv_src_k=((C,), np.int32),
+        recv_counts=((R,), np.int32))
+    if fp8:
+      outputs["recv_scales"] = ((C, H // 128), np.float32)
+    inputs = []
+    for r in range(R):
+      d = dict(x=x[r], topk_idx=idx[r].astype(np.int32), topk_weights=w[r].astype(np.float32))
+      if len(payload) > 1:
+        d["x_scales"] = payload[1][r].astype(np.float32)
+      inputs.append(d)
+    scalars = dict(x_dtype=_DTYPE_CODE[np.dtype(x.dtype)], cast_fp8=cast_fp8, ue8m0=ue8m0,
+                   num_tokens=T, hidden=H, topk=K, num_experts=E, capacity=C,
+                   expert_alignment=align, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
+    return self.run("dispatch", scalars, inputs, outputs, check=check)
+
+  def combine(self, y, weights, handles: list, idx, *, E: int, layout: str, num_sms: int = 0,
+              check: bool = True):
+    """y [R, C, H]; weights [R, C] or None; handles: per rank the dispatch's
+    outputs (pos_in_rank, recv_src_*, recv_counts); idx [R, T, K]."""
+    R, C, H = y.shape
+    T, K = idx.shape[1:]
+    names = ("pos_in_rank", "recv_src_rank", "recv_src_token", "recv_src_k", "recv_counts")
+    inputs = []
+    for r in range(R):
+      d = dict(y=y[r], topk_idx=idx[r].astype(np.int32), **{n: handles[r][n] for n in names})
+      if weights is not None:
+        d["weights"] = weights[r].astype(np.float32)
+      inputs.append(d)
+    scalars = dict(y_dtype=_DTYPE_CODE[np.dtype(y.dtype)], num_tokens=T, hidden=H, topk=K,
+                   num_experts=E, capacity=C, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
+    outs, reports = self.run("combine", scalars, inputs, dict(out=((T, H), y.dtype)), check=check)
+    return np.stack([o["out"] for o in outs]), reports
+
+  def ll_dispatch(self, x, idx, *, E: int, max_tokens: int, fp8: bool = False, ue8m0: bool = False,
+                  check: bool = True):
+    """x [R, T, H] bf16, idx [R, T, K] -> per rank recv_x [E_l, R*M, H],
+    recv_scales (FP8), recv_count [E_l], src_entry [E_l, R*M]."""
+    R, T, K = idx.shape
+    H = x.shape[2]
+    El, RM = E // R, R * max_tokens
+    outputs = dict(recv_x=((El, RM, H), FP8 if fp8 else BF16), recv_count=((El,), np.int32),
+                   src_entry=((El, RM), np.int32))
+    if fp8:
+      outputs["recv_scales"] = ((El, RM, H // 128), np.float32)
+    inputs = [dict(x=x[r], topk_idx=idx[r].astype(np.int32)) for r in range(R)]
+    scalars = dict(num_tokens=T, max_tokens=max_tokens, hidden=H, topk=K, num_experts=E, fp8=fp8,
+                   ue8m0=ue8m0)
+    return self.run("ll_dispatch", scalars, inputs, outputs, check=check)
+
+  def ll_combine(self, y, idx, w, handles: list, *, E: int, max_tokens: int, check: bool = True):
+    """y [R, E_l, R*M, H] bf16; handles: ll_dispatch's outputs per rank."""
+    R, T, K = idx.shape
+    H = y.shape[3]
+    inputs = [dict(y=y[r], src_entry=handles[r]["src_entry"], recv_count=handles[r]["recv_count"],
+                   topk_idx=idx[r].astype(np.int32), topk_weights=w[r].astype(np.float32))
+              for r in range(R)]
+    scalars = dict(num_tokens=T, max_tokens=max_tokens, hidden=H, topk=K, num_experts=E)
+    outs, reports = self.run("ll_combine", scalars, inputs, dict(out=((T, H), BF16)), check=check)
+    return np.stack([o["out"] for o in outs]), reports

@@ -1,0 +1,225 @@
+"""The kernels' multi-rank paths on one GPU: 2, 4 and 8 virtual ranks
+(tests/loopback.py), LSA and emulated GIN, against the NumPy oracle, bitwise:
+every dispatch output (rows, FP8 scales, routing metadata, counts and the
+whole handle, padding included: the harness fills outputs with 0xA5 first)
+and the combine in its fixed f32 order; the low-latency kernels' counts,
+source entries, valid rows and combine.
+
+What this does not cover: NVLink itself (peer windows are local memory, so a
+missing fence may pass here), NCCL's windows and XLA. test_gpu_dispatch.py
+and test_gpu_gin_emulated.py run the same kernels across two GPUs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_ep import _native
+import oracle
+from oracle import BF16, F32, FP8, stable_seed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.cuda_available(), reason="needs jax_ep's CUDA build and a GPU"),
+]
+
+if _native.cuda_available():
+  from jax_ep import _ffi_dispatch, _ffi_low_latency
+  from loopback import F16, Loopback, LoopbackError
+
+DTYPES = {"bf16": BF16, "f16": F16, "f32": F32}
+
+
+def _data_sms(R: int) -> int:
+  """Data-kernel CTAs per rank: every rank's waiting CTAs must be resident
+  together on one GPU (132 SMs on an H200), so 12 each at 8 ranks; the
+  model's default (24) below that."""
+  return 12 if R > 4 else 0
+
+
+def _inputs(rng, R, T, H, K, E, dtype, mode):
+  idx, w = oracle.make_topk(rng, R, T, K, E, mode=mode)
+  if dtype == "fp8_pair":
+    return oracle.make_fp8_tuple(rng, R, T, H), idx, w
+  return (oracle.make_x(rng, (R, T, H), DTYPES[dtype]),), idx, w
+
+
+def _window(R, T, H, K, E, x_bytes, fp8, y_bytes=4):
+  return _ffi_dispatch.window_bytes_needed(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
+                                           num_experts=E, x_bytes=x_bytes, fp8=fp8, y_bytes=y_bytes)
+
+
+def _eq(got, want, what):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+  if np.array_equal(oracle.bits(got), oracle.bits(want)):
+    return
+  bad = oracle.bits(got) != oracle.bits(want)
+  rows = np.unique(np.nonzero(bad.reshape(bad.shape[0], -1) if bad.ndim > 1 else bad)[0])
+  raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} elements differ, rows {rows[:12].tolist()}"
+                       f"{' ...' if rows.size > 12 else ''}")
+
+
+def _check_dispatch(outs, disp, hd, layout, fp8):
+  for r, (got, d) in enumerate(zip(outs, disp)):
+    pad = f" (rank {r}, {d.num_rows} rows used)"
+    _eq(got["recv_x"], d.payload[0], "recv_x" + pad)
+    if fp8:
+      _eq(got["recv_scales"], d.payload[1], "recv_scales" + pad)
+    _eq(got["recv_topk_idx"], d.topk_idx, "recv_topk_idx" + pad)
+    _eq(got["recv_topk_weights"], d.topk_weights, "recv_topk_weights" + pad)
+    _eq(got["counts"], d.counts if layout == "rank" else d.group_sizes, "counts" + pad)
+    for name in ("recv_src_rank", "recv_src_token", "recv_src_k", "recv_counts", "pos_in_rank"):
+      _eq(got[name], hd[name][r], name + pad)
+
+
+def _round(lb, rng, T, H, K, E, dtype, mode, layout, *, align=1, cast_fp8=False, weighted=True):
+  """One dispatch -> combine against the oracle."""
+  R = lb.R
+  payload, idx, w = _inputs(rng, R, T, H, K, E, dtype, mode)
+  if layout == "rank":
+    C = oracle.default_capacity_rank(R, T)
+    want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
+    disp = oracle.dispatch_rank(want_payload, idx, w, E, C)
+  else:
+    C = oracle.default_capacity_expert(R, T, K, E // R, align)
+    want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
+    disp = oracle.dispatch_expert(want_payload, idx, w, E, align, C)
+  outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout=layout, align=align, cast_fp8=cast_fp8,
+                        num_sms=_data_sms(R))
+  _check_dispatch(outs, disp, oracle.dispatch_handle(disp, idx, E, layout, C), layout,
+                  fp8=dtype == "fp8_pair" or cast_fp8)
+
+  ydt = BF16 if dtype == "fp8_pair" else DTYPES[dtype]
+  y = oracle.make_x(rng, (R, C, payload[0].shape[2]), ydt)
+  cw = rng.uniform(0.25, 1.5, size=(R, C)).astype(np.float32) if weighted else None
+  got, _ = lb.combine(y, cw, outs, idx, E=E, layout=layout, num_sms=_data_sms(R))
+  rows = [d.rows for d in disp]
+  oracle.assert_fixed_order_exact(got, lambda m: oracle.combine(y, rows, cw, T, mode=m),
+                                  f"combine R={R} {layout}")
+
+
+CASES = [
+    # R, T, H, K, E, dtype, mode
+    (2, 0, 128, 1, 8, "bf16", "random"),
+    (2, 1, 128, 1, 8, "bf16", "random"),
+    (2, 127, 2048, 8, 64, "bf16", "random"),
+    (2, 127, 128, 6, 8, "bf16", "skewed"),
+    (2, 127, 2048, 8, 64, "bf16", "empty_rank"),
+    (2, 127, 7168, 8, 256, "f16", "random"),
+    (2, 64, 2048, 8, 256, "f32", "random"),
+    (2, 127, 2048, 8, 256, "fp8_pair", "random"),
+    (2, 1024, 7168, 8, 256, "bf16", "random"),   # several chunks from each peer
+    (4, 127, 2048, 8, 64, "bf16", "random"),
+    (4, 127, 2048, 8, 64, "bf16", "empty_rank"),
+    (4, 127, 2048, 8, 64, "fp8_pair", "random"),
+    (4, 127, 256, 4, 12, "bf16", "all_invalid"),
+    (8, 64, 512, 8, 64, "bf16", "random"),
+    (8, 33, 256, 3, 16, "f32", "skewed"),
+]
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("R,T,H,K,E,dtype,mode", CASES)
+def test_dispatch_combine_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, dtype, mode, layout):
+  rng = np.random.default_rng(stable_seed("loopback", R, T, H, K, E, dtype, mode, layout))
+  fp8 = dtype == "fp8_pair"
+  with Loopback(R, _window(R, T, H, K, E, 1 if fp8 else DTYPES[dtype].itemsize, fp8)) as lb:
+    _round(lb, rng, T, H, K, E, dtype, mode, layout)
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("R,T,H,K,E,dtype,mode", [
+    (2, 127, 2048, 8, 64, "bf16", "random"),
+    (2, 1024, 7168, 8, 256, "bf16", "random"),
+    (2, 127, 2048, 8, 256, "fp8_pair", "random"),
+    (4, 127, 2048, 8, 64, "bf16", "empty_rank"),
+    (8, 64, 512, 8, 64, "bf16", "random"),
+])
+def test_emulated_gin_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, dtype, mode, layout):
+  rng = np.random.default_rng(stable_seed("loopback-gin", R, T, H, K, E, dtype, mode, layout))
+  fp8 = dtype == "fp8_pair"
+  with Loopback(R, _window(R, T, H, K, E, 1 if fp8 else DTYPES[dtype].itemsize, fp8),
+                gin_emulated=True) as lb:
+    _round(lb, rng, T, H, K, E, dtype, mode, layout)
+
+
+@pytest.mark.parametrize("R,layout,align,cast", [(2, "expert", 4, False), (2, "rank", 1, True),
+                                                 (4, "expert", 8, True)])
+def test_alignment_and_in_kernel_fp8_cast(R, layout, align, cast):
+  rng = np.random.default_rng(stable_seed("loopback-align", R, layout, align, cast))
+  T, H, K, E = 127, 2048, 8, 64
+  with Loopback(R, _window(R, T, H, K, E, 2, cast)) as lb:
+    _round(lb, rng, T, H, K, E, "bf16", "random", layout, align=align, cast_fp8=cast)
+
+
+def test_unweighted_combine_and_many_rounds_no_drift():
+  """60 rounds on one loopback, layouts alternating, fresh routing each:
+  window areas and epochs reused across ops as a training loop does."""
+  R, T, H, K, E = 2, 256, 1024, 8, 64
+  rng = np.random.default_rng(stable_seed("loopback-rounds"))
+  with Loopback(R, _window(R, T, H, K, E, 2, False)) as lb:
+    for i in range(60):
+      _round(lb, rng, T, H, K, E, "bf16", "random", ("rank", "expert")[i % 2], weighted=i % 3 != 0)
+
+
+def test_bad_expert_id_on_one_rank_is_reported_then_next_call_works():
+  R, T, H, K, E = 2, 64, 256, 4, 16
+  rng = np.random.default_rng(stable_seed("loopback-bad-id"))
+  with Loopback(R, _window(R, T, H, K, E, 2, False)) as lb:
+    payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
+    idx[1, 5, 0] = E + 3
+    for layout in ("rank", "expert"):
+      C = oracle.default_capacity_rank(R, T) if layout == "rank" else oracle.default_capacity_expert(R, T, K, E // R, 1)
+      _, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout=layout, check=False)
+      assert "expert id" in reports[1], reports
+      _round(lb, rng, T, H, K, E, "bf16", "random", layout)
+
+
+def test_a_misspelt_argument_is_an_error():
+  with Loopback(2, 1 << 20) as lb:
+    with pytest.raises(ValueError, match="unknown name 'hiden'"):
+      lb.run("dispatch", dict(hiden=128), [{}, {}], {})
+
+
+LL_CASES = [
+    # R, T, H, K, E, max_tokens, fp8
+    (2, 128, 7168, 8, 256, 128, True),   # docs/design.md §6 low-latency shape
+    (2, 128, 7168, 8, 256, 128, False),
+    (2, 37, 2048, 6, 64, 64, True),
+    (2, 1, 128, 1, 8, 4, False),
+    (2, 0, 128, 2, 8, 4, False),
+    (4, 37, 2048, 6, 64, 64, False),
+    (8, 16, 1024, 8, 64, 16, True),
+]
+
+
+@pytest.mark.parametrize("R,T,H,K,E,mt,fp8", LL_CASES)
+def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, mt, fp8):
+  rng = np.random.default_rng(stable_seed("loopback-ll", R, T, H, K, E, mt, fp8))
+  idx, w = oracle.make_topk(rng, R, T, K, E)
+  x = oracle.make_x(rng, (R, T, H), BF16)
+  El = E // R
+  nbytes = _ffi_low_latency.window_bytes_needed(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
+                                                num_experts=E)
+  with Loopback(R, nbytes) as lb:
+    for rnd in range(3):  # both of the kernels' double buffers, and back to the first
+      outs, _ = lb.ll_dispatch(x, idx, E=E, max_tokens=mt, fp8=fp8)
+      payload = oracle.quantize_fp8(x) if fp8 else (x,)
+      disp = oracle.low_latency_dispatch(payload, idx, E, mt)
+      for r, (got, d) in enumerate(zip(outs, disp)):
+        _eq(got["recv_count"], d.count, f"round {rnd} rank {r} recv_count")
+        entry = np.full((El, R * mt), -1, np.int32)
+        for l, lst in enumerate(d.rows):
+          for pos, (s, t, k) in enumerate(lst):
+            entry[l, pos] = (s * T + t) * K + k
+        _eq(got["src_entry"], entry, f"round {rnd} rank {r} src_entry")
+        valid = np.arange(R * mt)[None, :] < d.count[:, None]
+        _eq(got["recv_x"][valid], d.payload[0][valid], f"round {rnd} rank {r} recv_x (valid rows)")
+        if fp8:
+          _eq(got["recv_scales"][valid], d.payload[1][valid], f"round {rnd} rank {r} recv_scales")
+      y = oracle.make_x(rng, (R, El, R * mt, H), BF16)
+      got, _ = lb.ll_combine(y, idx, w, outs, E=E, max_tokens=mt)
+      oracle.assert_fixed_order_exact(
+          got, lambda m: oracle.low_latency_combine(y, idx, w, disp, mode=m), f"ll combine R={R} round {rnd}")
+      idx, w = oracle.make_topk(rng, R, T, K, E)
+      x = oracle.make_x(rng, (R, T, H), BF16)

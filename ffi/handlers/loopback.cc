@@ -397,6 +397,24 @@ void RegisterLoopbackBindings(nb::module_& m) {
       "Runs one op on every virtual rank: scalars {name: int}, inputs [per rank {name: bytes}], "
       "outputs {name: bytes per rank}; returns ([per rank {name: bytes}], [per rank status message or '']).");
   m.def(
+      "loopback_peek",
+      [](int64_t id, int rank, const std::string& what, size_t offset, size_t nbytes) {
+        std::lock_guard<std::mutex> g(jax_ep::g_mu);
+        jax_ep::Loopback& lb = jax_ep::Find(id);
+        if (rank < 0 || rank >= lb.nranks) throw std::invalid_argument("jax_ep loopback: no rank " + std::to_string(rank));
+        const bool win = what == "window";
+        if (!win && what != "counters") throw std::invalid_argument("jax_ep loopback: peek 'window' or 'counters'");
+        const size_t size = win ? lb.window_bytes : jax_ep::kNumDeviceCounters * sizeof(unsigned long long);
+        if (offset > size || nbytes > size - offset) throw std::invalid_argument("jax_ep loopback: peek past the end");
+        const char* base = win ? lb.windows[rank] : reinterpret_cast<const char*>(lb.counters[rank]);
+        std::string host(nbytes, '\0');
+        jax_ep::Check(cudaSetDevice(lb.device), "cudaSetDevice");
+        jax_ep::Check(cudaMemcpy(host.data(), base + offset, nbytes, cudaMemcpyDeviceToHost), "peek");
+        return nb::bytes(host.data(), nbytes);
+      },
+      nb::arg("id"), nb::arg("rank"), nb::arg("what"), nb::arg("offset"), nb::arg("nbytes"),
+      "Bytes of a virtual rank's window or device counters (after a failure: barrier flags, chunk counters).");
+  m.def(
       "loopback_destroy",
       [](int64_t id) {
         std::lock_guard<std::mutex> g(jax_ep::g_mu);

@@ -332,6 +332,13 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     n.CheckAllUsed();
     if (!msg.empty()) throw std::invalid_argument("jax_ep loopback " + op + " on rank " + std::to_string(r) + ": " + msg);
   }
+  // Every kernel loaded before any rank's first one spins on its peers
+  // (ep_kernels.h PreloadDispatch). The low-latency ops are one kernel each.
+  for (int r = 0; r < R; ++r) {
+    const EpPeers p = lb.Peers(r);
+    if (op == "dispatch") Check(PreloadDispatch(da[r], p), "loading the dispatch kernels");
+    else if (op == "combine") Check(PreloadCombine(ca[r], p), "loading the combine kernels");
+  }
   for (int r = 0; r < R; ++r) {
     const EpPeers p = lb.Peers(r);
     cudaError_t err = cudaSuccess;

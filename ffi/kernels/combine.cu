@@ -690,35 +690,48 @@ __global__ void __launch_bounds__(kThreads, 1) CombineDataKernel(CombineCfg c, C
   CombineData<TY, kHasW, kThreads, kBulk>(c, w, p, io, send_blocks, bulk, piece);
 }
 
-template <bool kHasW, typename TY, int kWarps>
-cudaError_t LaunchBulk(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
-                       const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  const auto kernel = CombineDataKernel<TY, kHasW, kWarps * 32, true>;
-  const size_t smem = static_cast<size_t>(kWarps) * kBulkSlots * slot_bytes;
-  const cudaError_t attr = AllowBulkSmem(kernel, smem);
-  if (attr != cudaSuccess) return attr;
-  kernel<<<grid, kWarps * 32, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes, piece);
-  return cudaSuccess;
-}
+// The data kernel LaunchCombine runs (every variant has one signature),
+// its block size, dynamic shared memory, slot and piece bytes.
+struct CombineDataChoice {
+  void (*fn)(CombineCfg, CombineWindow, EpPeers, CombineIO, int, uint32_t, uint32_t);
+  int threads;
+  size_t smem;
+  uint32_t slot_bytes, piece;
+};
 
-template <bool kHasW, typename TY>
-cudaError_t LaunchBulk(int warps, int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
-                       const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  return warps == kBulkMaxWarps ? LaunchBulk<kHasW, TY, kBulkMaxWarps>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
-                                : LaunchBulk<kHasW, TY, 8>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
+template <typename TY, bool kHasW>
+CombineDataChoice CombineDataFor(uint32_t slot_bytes, uint32_t piece) {
+  if (slot_bytes == 0) return {CombineDataKernel<TY, kHasW, kThreads, false>, kThreads, 0, 0, 0};
+  const int warps = BulkWarpsFor(slot_bytes);
+  return {warps == kBulkMaxWarps ? CombineDataKernel<TY, kHasW, kBulkMaxWarps * 32, true>
+                                 : CombineDataKernel<TY, kHasW, 8 * 32, true>,
+          warps * 32, static_cast<size_t>(warps) * kBulkSlots * slot_bytes, slot_bytes, piece};
 }
 
 template <typename TY>
-cudaError_t LaunchData(int grid, int send_blocks, uint32_t slot_bytes, uint32_t piece, cudaStream_t stream,
-                       const CombineCfg& c, const CombineWindow& w, const EpPeers& p, const CombineIO& io) {
-  if (slot_bytes > 0) {
-    const int warps = BulkWarpsFor(slot_bytes);
-    return c.has_w ? LaunchBulk<true, TY>(warps, grid, send_blocks, slot_bytes, piece, stream, c, w, p, io)
-                   : LaunchBulk<false, TY>(warps, grid, send_blocks, slot_bytes, piece, stream, c, w, p, io);
+CombineDataChoice CombineDataFor(bool has_w, uint32_t slot_bytes, uint32_t piece) {
+  return has_w ? CombineDataFor<TY, true>(slot_bytes, piece) : CombineDataFor<TY, false>(slot_bytes, piece);
+}
+
+// Bulk copies (bulk_copy.cuh) where a row fits a slot; a reducer's slot
+// holds a piece of each of a token's (at most R, resp. K) rows: the whole
+// rows where they fit (one rank), since the next token's first piece
+// loads while this token's last one is summed.
+// JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
+CombineDataChoice ChooseCombineData(const CombineArgs& a, const CombineWindow& w, int R) {
+  const int max_rows = a.layout == EpLayout::kExpert ? a.topk : R;
+  const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
+  uint32_t slot_bytes = 0, piece = 0;
+  if (BulkCopiesEnabled() && BulkWarpsFor(want_slot) > 0) {
+    slot_bytes = static_cast<uint32_t>(want_slot);
+    piece = std::max<uint32_t>(16, slot_bytes / max_rows / 16 * 16);
   }
-  if (c.has_w) CombineDataKernel<TY, true, kThreads, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks, 0, 0);
-  else CombineDataKernel<TY, false, kThreads, false><<<grid, kThreads, 0, stream>>>(c, w, p, io, send_blocks, 0, 0);
-  return cudaSuccess;
+  const bool has_w = a.weights != nullptr;
+  switch (a.y_dtype) {
+    case EpDtype::kBF16: return CombineDataFor<__nv_bfloat16>(has_w, slot_bytes, piece);
+    case EpDtype::kF16: return CombineDataFor<__half>(has_w, slot_bytes, piece);
+    default: return CombineDataFor<float>(has_w, slot_bytes, piece);
+  }
 }
 
 }  // namespace
@@ -761,36 +774,33 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
                a.recv_src_k, a.recv_counts, a.out};
 
   CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
-  // Bulk copies (bulk_copy.cuh) where a row fits a slot; a reducer's slot
-  // holds a piece of each of a token's (at most R, resp. K) rows: the whole
-  // rows where they fit (one rank), since the next token's first piece
-  // loads while this token's last one is summed.
-  // JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
-  const int max_rows = c.expert ? c.K : R;
-  const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
-  uint32_t slot_bytes = 0, piece = 0;
-  if (BulkCopiesEnabled() && BulkWarpsFor(want_slot) > 0) {
-    slot_bytes = static_cast<uint32_t>(want_slot);
-    piece = std::max<uint32_t>(16, slot_bytes / max_rows / 16 * 16);
-  }
-  const int threads = slot_bytes > 0 ? BulkWarpsFor(slot_bytes) * 32 : kThreads;
+  const CombineDataChoice k = ChooseCombineData(a, w, R);
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
-  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, k.threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);
   if (R == 1) {
     // One rank: nothing to send (a token's rows are read straight from y),
     // so every CTA reduces.
     recv_blocks = std::max(1, send_blocks + recv_blocks);
     send_blocks = 0;
   }
-  const int grid = send_blocks + recv_blocks;
-  cudaError_t err = cudaSuccess;
-  switch (a.y_dtype) {
-    case EpDtype::kBF16: err = LaunchData<__nv_bfloat16>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io); break;
-    case EpDtype::kF16: err = LaunchData<__half>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io); break;
-    default: err = LaunchData<float>(grid, send_blocks, slot_bytes, piece, stream, c, w, p, io); break;
+  if (k.smem > 0) {
+    const cudaError_t attr = AllowBulkSmem(k.fn, k.smem);
+    if (attr != cudaSuccess) return attr;
   }
-  return err != cudaSuccess ? err : cudaGetLastError();
+  k.fn<<<send_blocks + recv_blocks, k.threads, k.smem, stream>>>(c, w, p, io, send_blocks, k.slot_bytes, k.piece);
+  return cudaGetLastError();
+}
+
+cudaError_t PreloadCombine(const CombineArgs& a, const EpPeers& p) {
+  const CombineWindow w(p.nranks, a.num_tokens, a.hidden, a.topk, EpDtypeBytes(a.y_dtype),
+                        a.layout == EpLayout::kExpert);
+  const CombineDataChoice k = ChooseCombineData(a, w, p.nranks);
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, CombineStartKernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, k.fn);
+  if (err == cudaSuccess && k.smem > 0) err = AllowBulkSmem(k.fn, k.smem);
+  return err;
 }
 
 }  // namespace jax_ep

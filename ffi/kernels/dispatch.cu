@@ -1265,6 +1265,48 @@ std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p) {
   return "";
 }
 
+namespace {
+
+// The data kernel LaunchDispatch runs for `a` (every variant has one
+// signature), its block size and dynamic shared memory. Rows that fit a
+// slot move by bulk copies (bulk_copy.cuh); the cast needs them in
+// registers. JAX_EP_BULK=0 keeps the register copy.
+struct DispatchDataChoice {
+  void (*fn)(DispatchCfg, DispatchWindow, EpPeers, PushIO, int, uint32_t);
+  int threads;
+  size_t smem;
+  uint32_t slot_bytes;
+};
+
+DispatchDataChoice ChooseDispatchData(const DispatchArgs& a, const DispatchWindow& w) {
+  const uint32_t slot_bytes = static_cast<uint32_t>(w.payload_bytes);  // a multiple of 16
+  const int bulk_warps = BulkCopiesEnabled() && !a.cast_fp8 ? BulkWarpsFor(slot_bytes) : 0;
+  if (bulk_warps > 0) {
+    return {bulk_warps == kBulkMaxWarps ? DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>
+                                        : DispatchDataKernel<uint8_t, false, 8 * 32, true>,
+            bulk_warps * 32, static_cast<size_t>(bulk_warps) * kBulkSlots * slot_bytes, slot_bytes};
+  }
+  if (!a.cast_fp8) return {DispatchDataKernel<uint8_t, false, kDataThreads, false>, kDataThreads, 0, 0};
+  if (a.x_dtype == EpDtype::kBF16)
+    return {DispatchDataKernel<__nv_bfloat16, true, kCastThreads, false>, kCastThreads, 0, 0};
+  if (a.x_dtype == EpDtype::kF16) return {DispatchDataKernel<__half, true, kCastThreads, false>, kCastThreads, 0, 0};
+  return {DispatchDataKernel<float, true, kCastThreads, false>, kCastThreads, 0, 0};
+}
+
+}  // namespace
+
+cudaError_t PreloadDispatch(const DispatchArgs& a, const EpPeers& p) {
+  const bool fp8 = a.cast_fp8 || a.x_dtype == EpDtype::kFp8E4m3;
+  const DispatchWindow w(p.nranks, a.num_tokens, a.hidden, a.topk, a.num_experts,
+                         fp8 ? 1 : EpDtypeBytes(a.x_dtype), fp8);
+  const DispatchDataChoice k = ChooseDispatchData(a, w);
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, DispatchSetupKernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, k.fn);
+  if (err == cudaSuccess && k.smem > 0) err = AllowBulkSmem(k.fn, k.smem);
+  return err;
+}
+
 cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream) {
   const int R = p.nranks;
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
@@ -1311,35 +1353,18 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   }
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
-  const bool cast = a.cast_fp8;
-  // Rows that fit a slot move by bulk copies (bulk_copy.cuh); the cast
-  // needs them in registers. JAX_EP_BULK=0 keeps the register copy.
-  const uint32_t slot_bytes = static_cast<uint32_t>(w.payload_bytes);  // a multiple of 16
-  const int bulk_warps = BulkCopiesEnabled() && !cast ? BulkWarpsFor(slot_bytes) : 0;
-  const int threads = bulk_warps > 0 ? bulk_warps * 32 : cast ? kCastThreads : kDataThreads;
+  const DispatchDataChoice k = ChooseDispatchData(a, w);
   int send_blocks = 0, recv_blocks = 0;
   // Receivers copy HBM to HBM what the link brings in: half of the CTAs
   // (measured: 12/12 of 24 beat 16/8 by 9 us at the Normal shape); a quarter
   // when the senders also quantise and the rows are half as long.
-  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, threads / 32, R, cast ? 0.25 : 0.5, a.start, &send_blocks,
-                  &recv_blocks);
-  const int grid = send_blocks + recv_blocks;
-  if (bulk_warps > 0) {
-    const auto kernel = bulk_warps == kBulkMaxWarps ? DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>
-                                                    : DispatchDataKernel<uint8_t, false, 8 * 32, true>;
-    const size_t smem = static_cast<size_t>(bulk_warps) * kBulkSlots * slot_bytes;
-    const cudaError_t attr = AllowBulkSmem(kernel, smem);
+  SplitDataBlocks(a.num_sms, a.recv_sms, c.T, k.threads / 32, R, a.cast_fp8 ? 0.25 : 0.5, a.start,
+                  &send_blocks, &recv_blocks);
+  if (k.smem > 0) {
+    const cudaError_t attr = AllowBulkSmem(k.fn, k.smem);
     if (attr != cudaSuccess) return attr;
-    kernel<<<grid, threads, smem, stream>>>(c, w, p, io, send_blocks, slot_bytes);
-  } else if (!cast) {
-    DispatchDataKernel<uint8_t, false, kDataThreads, false><<<grid, kDataThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
-  } else if (a.x_dtype == EpDtype::kBF16) {
-    DispatchDataKernel<__nv_bfloat16, true, kCastThreads, false><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
-  } else if (a.x_dtype == EpDtype::kF16) {
-    DispatchDataKernel<__half, true, kCastThreads, false><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
-  } else {
-    DispatchDataKernel<float, true, kCastThreads, false><<<grid, kCastThreads, 0, stream>>>(c, w, p, io, send_blocks, 0);
   }
+  k.fn<<<send_blocks + recv_blocks, k.threads, k.smem, stream>>>(c, w, p, io, send_blocks, k.slot_bytes);
   return cudaGetLastError();
 }
 

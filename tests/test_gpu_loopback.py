@@ -77,11 +77,11 @@ def _round(lb, rng, T, H, K, E, dtype, mode, layout, *, align=1, cast_fp8=False,
   R = lb.R
   payload, idx, w = _inputs(rng, R, T, H, K, E, dtype, mode)
   if layout == "rank":
-    C = oracle.default_capacity_rank(R, T)
+    C = max(1, oracle.default_capacity_rank(R, T))
     want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
     disp = oracle.dispatch_rank(want_payload, idx, w, E, C)
   else:
-    C = oracle.default_capacity_expert(R, T, K, E // R, align)
+    C = max(1, oracle.default_capacity_expert(R, T, K, E // R, align))
     want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
     disp = oracle.dispatch_expert(want_payload, idx, w, E, align, C)
   outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout=layout, align=align, cast_fp8=cast_fp8,

@@ -330,15 +330,13 @@ DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
   return nullptr;
 }
 
-namespace {
-// ": hidden 7168 here, 4096 on EP rank 1; ..." from the two records the
-// kernel left next to the status word (config_check.cuh); it wrote them
-// before the word, so they are complete once the word is seen.
-std::string ConfigMismatchDetail(const DeviceResources& dev, int peer) {
+// The kernel wrote the two records before the word, so they are complete
+// once the word is seen.
+std::string ConfigMismatchDetail(uint32_t* status_host, int peer) {
   constexpr size_t kWords = kOpConfigBytes / 4;  // per record: tag, op, fields
   uint32_t rec[2][kWords] = {};
   volatile uint32_t* src = reinterpret_cast<volatile uint32_t*>(
-      reinterpret_cast<char*>(dev.status_host) + kStatusReportOffset);
+      reinterpret_cast<char*>(status_host) + kStatusReportOffset);
   for (size_t i = 0; i < 2 * kWords; ++i) {
     rec[i / kWords][i % kWords] = src[i];
     src[i] = 0;
@@ -359,7 +357,6 @@ std::string ConfigMismatchDetail(const DeviceResources& dev, int peer) {
   }
   return out;
 }
-}  // namespace
 
 std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   if (dev.status_host == nullptr) return "";
@@ -373,7 +370,7 @@ std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   *word = 0;
   std::string msg = DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
   if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch) {
-    msg += ConfigMismatchDetail(dev, static_cast<int>(code & 0xffu));
+    msg += ConfigMismatchDetail(dev.status_host, static_cast<int>(code & 0xffu));
   }
   return msg;
 }

@@ -218,6 +218,10 @@ bool IsLostPeerStatus(uint32_t code);
 // `call`: the number of the op that reported it on its device (0: unknown).
 std::string DescribeStatus(uint32_t code, int rank, int device_ordinal,
                            double timeout_s, unsigned long long call = 0);
+// For a Cause::kConfigMismatch with `peer`: ": hidden 7168 here, 4096 on EP
+// rank 1; ..." from the two records the kernel left after the status word
+// (config_check.cuh, kStatusReportOffset); clears them.
+std::string ConfigMismatchDetail(uint32_t* status_host, int peer);
 
 ncclUniqueId NewUniqueId();
 // (compiled NCCL_VERSION_CODE, ncclGetVersion() of the loaded library)

@@ -39,14 +39,20 @@ class Loopback:
   def __exit__(self, *exc):
     self.close()
 
-  def run(self, op: str, scalars: dict, inputs: list, outputs: dict, *, check: bool = True):
+  def run(self, op: str, scalars: dict, inputs: list, outputs: dict, *, check: bool = True,
+          skip=(), overrides: dict | None = None):
     """inputs: per rank {name: array}; outputs: {name: (shape, dtype)}, the
-    same on every rank. Returns (per rank {name: array}, per rank report)."""
+    same on every rank; scalars: the same on every rank, but for
+    `overrides` {rank: {name: value}}; ranks in `skip` do not call the op
+    (they return no outputs). Returns (per rank {name: array}, per rank
+    report)."""
     ins = [{k: np.ascontiguousarray(v).tobytes() for k, v in d.items()} for d in inputs]
     sizes = {k: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
              for k, (shape, dt) in outputs.items()}
-    outs, reports = self._m.loopback_run(self.id, op, {k: int(v) for k, v in scalars.items()}, ins, sizes)
-    arrays = [{k: np.frombuffer(o[k], dtype=outputs[k][1]).reshape(outputs[k][0]) for k in outputs}
+    per_rank = [{k: int(v) for k, v in {**scalars, **(overrides or {}).get(r, {})}.items()}
+                for r in range(self.R)]
+    outs, reports = self._m.loopback_run(self.id, op, per_rank, ins, sizes, list(skip))
+    arrays = [{k: np.frombuffer(o[k], dtype=outputs[k][1]).reshape(outputs[k][0]) for k in o}
               for o in outs]
     if check and any(reports):
       raise LoopbackError("; ".join(r for r in reports if r) + "\n" + self.describe())
@@ -68,7 +74,8 @@ class Loopback:
     return "\n".join(lines)
 
   def dispatch(self, payload: tuple, idx, w, *, E: int, C: int, layout: str, align: int = 1,
-               cast_fp8: bool = False, ue8m0: bool = False, num_sms: int = 0, check: bool = True):
+               cast_fp8: bool = False, ue8m0: bool = False, num_sms: int = 0, check: bool = True,
+               skip=(), overrides: dict | None = None):
     """payload: (x[R, T, H],) or an FP8 pair (q, scales[R, T, H/128]);
     idx / w [R, T, K]. Returns per rank the dispatch's outputs by their FFI
     names (ffi/handlers/dispatch.cc)."""
@@ -96,10 +103,10 @@ class Loopback:
     scalars = dict(x_dtype=_DTYPE_CODE[np.dtype(x.dtype)], cast_fp8=cast_fp8, ue8m0=ue8m0,
                    num_tokens=T, hidden=H, topk=K, num_experts=E, capacity=C,
                    expert_alignment=align, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
-    return self.run("dispatch", scalars, inputs, outputs, check=check)
+    return self.run("dispatch", scalars, inputs, outputs, check=check, skip=skip, overrides=overrides)
 
   def combine(self, y, weights, handles: list, idx, *, E: int, layout: str, num_sms: int = 0,
-              check: bool = True):
+              check: bool = True, skip=()):
     """y [R, C, H]; weights [R, C] or None; handles: per rank the dispatch's
     outputs (pos_in_rank, recv_src_*, recv_counts); idx [R, T, K]."""
     R, C, H = y.shape
@@ -113,7 +120,9 @@ class Loopback:
       inputs.append(d)
     scalars = dict(y_dtype=_DTYPE_CODE[np.dtype(y.dtype)], num_tokens=T, hidden=H, topk=K,
                    num_experts=E, capacity=C, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
-    outs, reports = self.run("combine", scalars, inputs, dict(out=((T, H), y.dtype)), check=check)
+    outs, reports = self.run("combine", scalars, inputs, dict(out=((T, H), y.dtype)), check=check, skip=skip)
+    if skip:
+      return [o.get("out") for o in outs], reports
     return np.stack([o["out"] for o in outs]), reports
 
   def ll_dispatch(self, x, idx, *, E: int, max_tokens: int, fp8: bool = False, ue8m0: bool = False,

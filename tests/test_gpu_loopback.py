@@ -223,3 +223,49 @@ def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E
           got, lambda m: oracle.low_latency_combine(y, idx, w, disp, mode=m), f"ll combine R={R} round {rnd}")
       idx, w = oracle.make_topk(rng, R, T, K, E)
       x = oracle.make_x(rng, (R, T, H), BF16)
+
+
+# Last in the module: a wait that never ended would stop the run here (the
+# watchdog), after every other test has reported.
+
+@pytest.mark.parametrize("field,here,there", [("hidden", 256, 512), ("topk", 2, 4),
+                                              ("num_experts", 16, 32), ("num_tokens", 32, 64)])
+def test_a_configuration_mismatch_across_ranks_names_both_values_then_next_call_works(field, here, there):
+  R, T, H, K, E = 2, 64, 512, 4, 32
+  rng = np.random.default_rng(stable_seed("loopback-mismatch", field))
+  with Loopback(R, _window(R, T, H, K, E, 2, False)) as lb:
+    payload, idx, w = _inputs(rng, R, T, H, K, 16, "bf16", "random")  # ids valid for E = 16 and 32
+    scalar = {"num_tokens": T, "hidden": H, "topk": K, "num_experts": E}
+    assert scalar[field] == there
+    _, reports = lb.dispatch(payload, idx, w, E=E, C=R * T, layout="rank", check=False,
+                             overrides={0: {field: here}})
+    name = {"num_tokens": "tokens per rank"}.get(field, field)
+    assert f"{name} {here} here, {there} on EP rank 1" in reports[0], reports
+    assert f"{name} {there} here, {here} on EP rank 0" in reports[1], reports
+    _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
+@pytest.mark.parametrize("R,skip,op", [(2, 1, "dispatch"), (4, 2, "dispatch"), (2, 0, "combine")])
+def test_a_rank_that_skips_the_call_is_reported_by_its_peers_within_the_timeout(R, skip, op):
+  import time
+  T, H, K, E = 64, 256, 4, 16
+  rng = np.random.default_rng(stable_seed("loopback-skip", R, skip, op))
+  timeout = 1.0
+  with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=timeout) as lb:
+    payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
+    C = R * T
+    t0 = time.monotonic()
+    if op == "dispatch":
+      _, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank", check=False, skip=[skip])
+    else:
+      outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
+      y = oracle.make_x(rng, (R, C, H), BF16)
+      t0 = time.monotonic()
+      _, reports = lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, skip=[skip])
+    took = time.monotonic() - t0
+    assert reports[skip] == ""
+    for r in range(R):
+      if r != skip:
+        assert "did not arrive" in reports[r] or "failed this call" in reports[r], (r, reports)
+    assert f"peer rank {skip} did not arrive" in " ".join(reports), reports
+    assert took < 6 * timeout, f"{op} with rank {skip} absent returned after {took:.1f} s"

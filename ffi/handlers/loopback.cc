@@ -290,14 +290,23 @@ void FillLlCombine(Named& n, LlCombineArgs& a, unsigned long long* counters) {
 // Validates every rank's call before any is launched (a rank that refused
 // alone would leave its peers waiting out the timeout), then launches each
 // rank on its own stream and waits for all.
+// `scalars`: per rank (a rank may be given another configuration than its
+// peers, as a misconfigured process would); `skip`: ranks that do not call
+// the op at all (their peers must report them, not hang).
 std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, const std::string& op,
-                                                               const nb::dict& scalars,
+                                                               const std::vector<nb::dict>& scalars,
                                                                const std::vector<nb::dict>& inputs,
-                                                               const nb::dict& outputs) {
+                                                               const nb::dict& outputs,
+                                                               const std::vector<int>& skip) {
   const int R = lb.nranks;
-  if (static_cast<int>(inputs.size()) != R)
-    throw std::invalid_argument("jax_ep loopback: " + std::to_string(inputs.size()) + " ranks' inputs for " +
-                                std::to_string(R) + " ranks");
+  if (static_cast<int>(inputs.size()) != R || static_cast<int>(scalars.size()) != R)
+    throw std::invalid_argument("jax_ep loopback: " + std::to_string(inputs.size()) + " ranks' inputs and " +
+                                std::to_string(scalars.size()) + " ranks' scalars for " + std::to_string(R) + " ranks");
+  std::vector<bool> runs(R, true);
+  for (int r : skip) {
+    if (r < 0 || r >= R) throw std::invalid_argument("jax_ep loopback: no rank " + std::to_string(r) + " to skip");
+    runs[r] = false;
+  }
   Check(cudaSetDevice(lb.device), "cudaSetDevice");
   ++lb.calls;
   Buffers bufs;
@@ -309,7 +318,8 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
   // Every rank's CTAs must be resident at once (they wait on each other).
   const int sms_per_rank = std::max(1, lb.sms / R);
   for (int r = 0; r < R; ++r) {
-    named.push_back(std::make_unique<Named>(scalars, inputs[r], outputs, bufs));
+    named.push_back(std::make_unique<Named>(scalars[r], inputs[r], outputs, bufs));
+    if (!runs[r]) continue;
     Named& n = *named.back();
     const EpPeers p = lb.Peers(r);
     std::string msg;
@@ -335,11 +345,13 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
   // Every kernel loaded before any rank's first one spins on its peers
   // (ep_kernels.h PreloadDispatch). The low-latency ops are one kernel each.
   for (int r = 0; r < R; ++r) {
+    if (!runs[r]) continue;
     const EpPeers p = lb.Peers(r);
     if (op == "dispatch") Check(PreloadDispatch(da[r], p), "loading the dispatch kernels");
     else if (op == "combine") Check(PreloadCombine(ca[r], p), "loading the combine kernels");
   }
   for (int r = 0; r < R; ++r) {
+    if (!runs[r]) continue;
     const EpPeers p = lb.Peers(r);
     cudaError_t err = cudaSuccess;
     if (op == "dispatch") err = LaunchDispatch(da[r], p, lb.streams[r]);
@@ -356,6 +368,8 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     const unsigned long long w = *word;
     const uint32_t code = static_cast<uint32_t>(w);
     if (code != 0) reports[r] = DescribeStatus(code, r, lb.device, lb.timeout_s, w >> 32);
+    if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch)
+      reports[r] += ConfigMismatchDetail(lb.status_host[r], static_cast<int>(code & 0xffu));
     *word = 0;
     outs.push_back(named[r]->Download());
   }
@@ -396,13 +410,16 @@ void RegisterLoopbackBindings(nb::module_& m) {
       "Test harness: `nranks` virtual EP ranks on one GPU (ffi/handlers/loopback.cc); returns an id.");
   m.def(
       "loopback_run",
-      [](int64_t id, const std::string& op, nb::dict scalars, std::vector<nb::dict> inputs, nb::dict outputs) {
+      [](int64_t id, const std::string& op, std::vector<nb::dict> scalars, std::vector<nb::dict> inputs,
+         nb::dict outputs, std::vector<int> skip) {
         std::lock_guard<std::mutex> g(jax_ep::g_mu);
-        return jax_ep::Run(jax_ep::Find(id), op, scalars, inputs, outputs);
+        return jax_ep::Run(jax_ep::Find(id), op, scalars, inputs, outputs, skip);
       },
       nb::arg("id"), nb::arg("op"), nb::arg("scalars"), nb::arg("inputs"), nb::arg("outputs"),
-      "Runs one op on every virtual rank: scalars {name: int}, inputs [per rank {name: bytes}], "
-      "outputs {name: bytes per rank}; returns ([per rank {name: bytes}], [per rank status message or '']).");
+      nb::arg("skip") = std::vector<int>{},
+      "Runs one op on every virtual rank but those in `skip`: scalars [per rank {name: int}], inputs "
+      "[per rank {name: bytes}], outputs {name: bytes per rank}; returns ([per rank {name: bytes}], "
+      "[per rank status message or '']).");
   m.def(
       "loopback_peek",
       [](int64_t id, int rank, const std::string& what, size_t offset, size_t nbytes) {

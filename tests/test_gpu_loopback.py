@@ -15,7 +15,7 @@ import pytest
 
 from jax_ep import _native
 import oracle
-from oracle import BF16, F32, FP8, stable_seed
+from oracle import BF16, F32, stable_seed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,9 +24,9 @@ pytestmark = [
 
 if _native.cuda_available():
   from jax_ep import _ffi_dispatch, _ffi_low_latency
-  from loopback import F16, Loopback, LoopbackError
+  from loopback import Loopback
 
-DTYPES = {"bf16": BF16, "f16": F16, "f32": F32}
+DTYPES = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": F32}
 
 
 def _data_sms(R: int) -> int:

@@ -125,6 +125,22 @@ class Loopback:
       return [o.get("out") for o in outs], reports
     return np.stack([o["out"] for o in outs]), reports
 
+  def engram(self, table, indices, *, num_sms: int = 0, check: bool = True):
+    """Publish then fetch. table [V, D], rank s holding rows [s V/R, (s+1)
+    V/R); indices [R, T, e] global ids in [-1, V). Returns (rows [R, T, e,
+    D], tokens [R], reports)."""
+    R = self.R
+    V, D = table.shape
+    rpr = V // R
+    shards = table.reshape(R, rpr, D)
+    n = int(np.prod(indices.shape[1:]))
+    inputs = [dict(table=shards[r], indices=indices[r].astype(np.int32).reshape(-1)) for r in range(R)]
+    scalars = dict(rows_per_rank=rpr, row_bytes=D * table.dtype.itemsize, num_rows=n, num_sms=num_sms)
+    outs, reports = self.run("engram", scalars, inputs,
+                             dict(rows=((n, D), table.dtype), token=((1,), np.int32)), check=check)
+    rows = np.stack([o["rows"].reshape(indices.shape[1:] + (D,)) for o in outs])
+    return rows, np.array([o["token"][0] for o in outs]), reports
+
   def ll_dispatch(self, x, idx, *, E: int, max_tokens: int, fp8: bool = False, ue8m0: bool = False,
                   check: bool = True):
     """x [R, T, H] bf16, idx [R, T, K] -> per rank recv_x [E_l, R*M, H],

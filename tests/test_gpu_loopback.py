@@ -3,7 +3,11 @@
 every dispatch output (rows, FP8 scales, routing metadata, counts and the
 whole handle, padding included: the harness fills outputs with 0xA5 first)
 and the combine in its fixed f32 order; the low-latency kernels' counts,
-source entries, valid rows and combine.
+source entries, valid rows and combine; Engram publish + fetch from every
+shard. And the failures a peer must report, not wait out: a bad expert id
+or Engram index on one rank, a configuration that differs between ranks
+(named, both values), a rank that never calls (reported within the
+timeout).
 
 What this does not cover: NVLink itself (peer windows are local memory, so a
 missing fence may pass here), NCCL's windows and XLA. test_gpu_dispatch.py
@@ -223,6 +227,52 @@ def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E
           got, lambda m: oracle.low_latency_combine(y, idx, w, disp, mode=m), f"ll combine R={R} round {rnd}")
       idx, w = oracle.make_topk(rng, R, T, K, E)
       x = oracle.make_x(rng, (R, T, H), BF16)
+
+
+@pytest.mark.parametrize("R,rpr,D,dtype,T,e,mode", [
+    (2, 524288, 128, "bf16", 512, 24, "random"),   # docs/design.md §6 Engram shape
+    (2, 4096, 64, "f32", 64, 8, "one_owner"),
+    (4, 4096, 128, "bf16", 33, 5, "repeated"),
+    (8, 1024, 8, "bf16", 16, 3, "random"),
+])
+def test_engram_fetch_from_every_shard_bitwise_equal_oracle(R, rpr, D, dtype, T, e, mode):
+  rng = np.random.default_rng(stable_seed("loopback-engram", R, rpr, D, dtype, T, e, mode))
+  V = R * rpr
+  table = oracle.make_x(rng, (V, D), DTYPES[dtype])
+  idx = rng.integers(0, V, size=(R, T, e)).astype(np.int32)
+  if mode == "one_owner":      # every lookup to the last rank's shard
+    idx = rng.integers((R - 1) * rpr, V, size=(R, T, e)).astype(np.int32)
+  elif mode == "repeated":
+    idx[:, :, 1:] = idx[:, :, :1]
+  idx[rng.random(idx.shape) < 0.1] = -1
+  nbytes = (1 << 20) + V // R * D * table.dtype.itemsize
+  with Loopback(R, nbytes) as lb:
+    rows, tokens, _ = lb.engram(table, idx)
+    assert (tokens > 0).all(), tokens
+    _eq(rows, oracle.engram_fetch(table, idx), "engram rows")
+
+
+def test_engram_republished_tables_never_read_stale_and_a_bad_index_is_reported():
+  R, rpr, D, T, e = 2, 2048, 64, 32, 4
+  rng = np.random.default_rng(stable_seed("loopback-engram-rounds"))
+  V = R * rpr
+  with Loopback(R, (1 << 20) + rpr * D * 2) as lb:
+    last = None
+    for i in range(40):
+      table = oracle.make_x(rng, (V, D), BF16)
+      idx = rng.integers(-1, V, size=(R, T, e)).astype(np.int32)
+      if i % 10 == 9:  # an index past the table on rank 1: reported, its row zero
+        idx[1, 3, 2] = V + 7
+        rows, tokens, reports = lb.engram(table, idx, check=False)
+        assert "index" in reports[1], reports
+        want = oracle.engram_fetch(table, np.where(idx >= V, -1, idx))
+      else:
+        rows, tokens, _ = lb.engram(table, idx)
+        want = oracle.engram_fetch(table, idx)
+      _eq(rows, want, f"round {i}")
+      if last is not None:
+        assert (tokens > last).all(), (tokens, last)  # each publish a new version
+      last = tokens
 
 
 # Last in the module: a wait that never ended would stop the run here (the

@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "comm.h"
+#include "kernels/engram.cuh"
+#include "kernels/engram_layout.h"
 #include "kernels/ep_kernels.h"
 #include "kernels/low_latency.cuh"
 
@@ -287,6 +289,36 @@ void FillLlCombine(Named& n, LlCombineArgs& a, unsigned long long* counters) {
   a.counters = counters;
 }
 
+// Engram: publish this rank's shard (slot 0 of the version words, as the
+// first placement of a Communicator gets), then fetch from every shard with
+// the publish's token. Returns "" or why the arguments cannot run.
+std::string FillEngram(Named& n, EngramPublishArgs& pub, EngramFetchArgs& fetch, const Loopback& lb, int r) {
+  const int64_t rows_per_rank = n.Int("rows_per_rank");
+  const size_t row_bytes = static_cast<size_t>(n.Int("row_bytes"));
+  if (rows_per_rank < 1 || row_bytes == 0 || row_bytes % 16) return "rows_per_rank >= 1 and row_bytes a multiple of 16";
+  const EngramWindow w(lb.window_bytes, rows_per_rank, row_bytes, 0);
+  if (!w.fits) return "the window is too small for the table: needs " + std::to_string(w.need) + " bytes";
+  unsigned long long* versions = lb.counters[r] + kEngramVersionCounter;
+  pub.table = n.In("table");
+  pub.table_bytes = w.table_bytes;
+  pub.table_off = w.table_off;
+  pub.token = n.OutAs<int32_t>("token");
+  pub.versions = versions;
+  pub.slot = 0;
+  pub.clear.Set(0);
+  fetch.indices = n.InAs<int32_t>("indices");
+  fetch.num_rows = n.Int("num_rows");
+  fetch.rows_per_rank = rows_per_rank;
+  fetch.row_bytes = row_bytes;
+  fetch.table_off = w.table_off;
+  fetch.out = n.Out("rows");
+  fetch.num_sms = static_cast<int>(n.Int("num_sms"));
+  fetch.token = pub.token;
+  fetch.version = versions + 1 + pub.slot;
+  return pub.table && pub.token && fetch.out && (fetch.indices || fetch.num_rows == 0)
+             ? "" : "table, indices, rows and token are required";
+}
+
 // Validates every rank's call before any is launched (a rank that refused
 // alone would leave its peers waiting out the timeout), then launches each
 // rank on its own stream and waits for all.
@@ -315,6 +347,8 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
   std::vector<CombineArgs> ca(R);
   std::vector<LlDispatchArgs> lda(R);
   std::vector<LlCombineArgs> lca(R);
+  std::vector<EngramPublishArgs> epa(R);
+  std::vector<EngramFetchArgs> efa(R);
   // Every rank's CTAs must be resident at once (they wait on each other).
   const int sms_per_rank = std::max(1, lb.sms / R);
   for (int r = 0; r < R; ++r) {
@@ -335,9 +369,11 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     } else if (op == "ll_combine") {
       FillLlCombine(n, lca[r], lb.counters[r]);
       msg = ValidateLlCombine(lca[r], p);
+    } else if (op == "engram") {
+      msg = FillEngram(n, epa[r], efa[r], lb, r);
     } else {
       throw std::invalid_argument("jax_ep loopback: unknown op '" + op +
-                                  "' (dispatch, combine, ll_dispatch, ll_combine)");
+                                  "' (dispatch, combine, ll_dispatch, ll_combine, engram)");
     }
     n.CheckAllUsed();
     if (!msg.empty()) throw std::invalid_argument("jax_ep loopback " + op + " on rank " + std::to_string(r) + ": " + msg);
@@ -357,8 +393,14 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     if (op == "dispatch") err = LaunchDispatch(da[r], p, lb.streams[r]);
     else if (op == "combine") err = LaunchCombine(ca[r], p, lb.streams[r]);
     else if (op == "ll_dispatch") err = LaunchLlDispatch(lda[r], p, sms_per_rank, lb.streams[r]);
-    else err = LaunchLlCombine(lca[r], p, sms_per_rank, lb.streams[r]);
+    else if (op == "ll_combine") err = LaunchLlCombine(lca[r], p, sms_per_rank, lb.streams[r]);
+    else err = LaunchEngramPublish(epa[r], p, lb.streams[r]);
     Check(err, op + " launch on rank " + std::to_string(r));
+  }
+  // The fetches only once every rank's publish is launched: a fetch's first
+  // launch may load its kernel, which waits for the publishes' barriers.
+  for (int r = 0; r < R && op == "engram"; ++r) {
+    if (runs[r]) Check(LaunchEngramFetch(efa[r], lb.Peers(r), lb.streams[r]), "engram fetch launch on rank " + std::to_string(r));
   }
   std::vector<std::string> reports(R);
   for (int r = 0; r < R; ++r) Check(cudaStreamSynchronize(lb.streams[r]), op + " on rank " + std::to_string(r));

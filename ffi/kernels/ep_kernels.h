@@ -109,8 +109,8 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
 // running them. CUDA loads a kernel at its first launch, and loading may wait
 // for the device's running kernels: a host thread that launches several
 // ranks' ops on one device (ffi/handlers/loopback.cc) would then wait for a
-// first kernel that spins on a peer it has not launched yet. (A thread per
-// device, as XLA has, only stalls once.)
+// first kernel that spins on a peer it has not launched yet. (With a host
+// thread per device such a load stalls once, not for good.)
 cudaError_t PreloadDispatch(const DispatchArgs& a, const EpPeers& p);
 cudaError_t PreloadCombine(const CombineArgs& a, const EpPeers& p);
 

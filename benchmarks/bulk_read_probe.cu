@@ -56,6 +56,17 @@ __device__ __forceinline__ int Issue(BulkSlots& bulk, const char* src, uint32_t 
 // accumulators per vector (bf16 channels), as combine's reducer does: kU
 // vectors per lane at a time, the vectors of kR rows loaded from shared
 // memory before any is added. The reducer is <1, kSmemUnroll = 4>.
+// a[e] += 0.5 * bf16 element e of v (eight per uint4), each step rounded
+// on its own, as the combine reducer sums (no FMA).
+__device__ __forceinline__ void AddBf16x8(float (&a)[8], const uint4& v) {
+  const uint32_t x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    a[2 * k] = __fadd_rn(a[2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
+    a[2 * k + 1] = __fadd_rn(a[2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
+  }
+}
+
 template <int kR, int kU>
 __device__ __forceinline__ float SumLoadsFirst(const char* slot, uint32_t piece, int rows, int lane) {
   float acc = 0.f;
@@ -80,14 +91,7 @@ __device__ __forceinline__ float SumLoadsFirst(const char* slot, uint32_t piece,
 #pragma unroll
       for (int r = 0; r < kR; ++r)
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const uint32_t x[4] = {q[r][u].x, q[r][u].y, q[r][u].z, q[r][u].w};
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            a[u][2 * k] = __fadd_rn(a[u][2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
-            a[u][2 * k + 1] = __fadd_rn(a[u][2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
-          }
-        }
+        for (int u = 0; u < kU; ++u) AddBf16x8(a[u], q[r][u]);
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u)
@@ -199,13 +203,7 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1)
 #pragma unroll
       for (int k = 0; k < 8; ++k) a[k] = -0.f;
       for (int r = 0; r < rows; ++r) {
-        const uint4 q = reinterpret_cast<const uint4*>(slot + static_cast<size_t>(r) * piece)[v];
-        const uint32_t x[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          a[2 * k] = __fadd_rn(a[2 * k], __fmul_rn(0.5f, __uint_as_float(x[k] << 16)));
-          a[2 * k + 1] = __fadd_rn(a[2 * k + 1], __fmul_rn(0.5f, __uint_as_float(x[k] & 0xffff0000u)));
-        }
+        AddBf16x8(a, reinterpret_cast<const uint4*>(slot + static_cast<size_t>(r) * piece)[v]);
       }
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc = __fadd_rn(acc, a[k]);
@@ -307,14 +305,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       __syncwarp();
       issue(q + nsub);
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const uint32_t y[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          a[u][2 * k] = __fadd_rn(a[u][2 * k], __fmul_rn(0.5f, __uint_as_float(y[k] << 16)));
-          a[u][2 * k + 1] = __fadd_rn(a[u][2 * k + 1], __fmul_rn(0.5f, __uint_as_float(y[k] & 0xffff0000u)));
-        }
-      }
+      for (int u = 0; u < kU; ++u) AddBf16x8(a[u], x[u]);
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u)

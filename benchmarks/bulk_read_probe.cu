@@ -214,6 +214,29 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1)
   if (acc == 1.2345f) sink[0] = acc;
 }
 
+// Median milliseconds of seven timed launches after one warm-up.
+template <typename Launch>
+float MedianMs(Launch launch) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 8; ++rep) {
+    CK(cudaEventRecord(a));
+    launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 template <int kWarps, int kGroup>
 float TimeRing(const char* src, uint32_t nrows, int ctas, uint32_t piece, int rows, float* sink) {
   const size_t slot = static_cast<size_t>(piece) * rows;
@@ -227,22 +250,8 @@ float TimeRing(const char* src, uint32_t nrows, int ctas, uint32_t piece, int ro
   CK(cudaFuncSetAttribute(ProbeRing<kWarps, kGroup>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           static_cast<int>(smem)));
   const uint32_t tasks = static_cast<uint32_t>((1u << 30) / slot);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 8; ++rep) {
-    CK(cudaEventRecord(a));
-    ProbeRing<kWarps, kGroup><<<ctas, (kWarps + 1) * 32, smem>>>(src, nrows, piece, rows, tasks, nslots, sink);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaGetLastError());
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (rep > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return static_cast<float>(static_cast<double>(tasks) * slot / (ms[ms.size() / 2] * 1e-3) / 1e9);
+  const float ms = MedianMs([&] { ProbeRing<kWarps, kGroup><<<ctas, (kWarps + 1) * 32, smem>>>(src, nrows, piece, rows, tasks, nslots, sink); });
+  return static_cast<float>(static_cast<double>(tasks) * slot / (ms * 1e-3) / 1e9);
 }
 
 // Mode 5, a ring per warp of piece-sized slots released one piece at a
@@ -323,22 +332,8 @@ float TimeSub(const char* src, uint32_t nrows, int ctas, uint32_t piece, int row
   const size_t smem = static_cast<size_t>(kWarps) * nsub * piece;
   CK(cudaFuncSetAttribute(ProbeSub<kWarps, kU>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const uint32_t tasks = static_cast<uint32_t>((1u << 30) / (static_cast<uint64_t>(piece) * rows));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 8; ++rep) {
-    CK(cudaEventRecord(a));
-    ProbeSub<kWarps, kU><<<ctas, kWarps * 32, smem>>>(src, nrows, piece, rows, tasks, nsub, sink);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaGetLastError());
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (rep > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return static_cast<float>(static_cast<double>(tasks) * piece * rows / (ms[ms.size() / 2] * 1e-3) / 1e9);
+  const float ms = MedianMs([&] { ProbeSub<kWarps, kU><<<ctas, kWarps * 32, smem>>>(src, nrows, piece, rows, tasks, nsub, sink); });
+  return static_cast<float>(static_cast<double>(tasks) * piece * rows / (ms * 1e-3) / 1e9);
 }
 
 template <int kWarps>
@@ -347,23 +342,9 @@ float TimeOne(const char* src, uint32_t nrows, int ctas, uint32_t piece, int row
   CK(cudaFuncSetAttribute(Probe<kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   // ~1 GB of loads per launch.
   const uint32_t tasks = static_cast<uint32_t>((1u << 30) / (static_cast<uint64_t>(piece) * rows));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 8; ++rep) {
-    CK(cudaEventRecord(a));
-    Probe<kWarps><<<ctas, kWarps * 32, smem>>>(src, nrows, piece, rows, tasks, consume, sink);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaGetLastError());
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (rep > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const float ms = MedianMs([&] { Probe<kWarps><<<ctas, kWarps * 32, smem>>>(src, nrows, piece, rows, tasks, consume, sink); });
   const double bytes = static_cast<double>(tasks) * piece * rows;
-  return static_cast<float>(bytes / (ms[ms.size() / 2] * 1e-3) / 1e9);
+  return static_cast<float>(bytes / (ms * 1e-3) / 1e9);
 }
 
 int main(int argc, char** argv) {

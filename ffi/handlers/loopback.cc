@@ -378,14 +378,9 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     n.CheckAllUsed();
     if (!msg.empty()) throw std::invalid_argument("jax_ep loopback " + op + " on rank " + std::to_string(r) + ": " + msg);
   }
-  // Every kernel loaded before any rank's first one spins on its peers
-  // (ep_kernels.h PreloadDispatch). The low-latency ops are one kernel each.
-  for (int r = 0; r < R; ++r) {
-    if (!runs[r]) continue;
-    const EpPeers p = lb.Peers(r);
-    if (op == "dispatch") Check(PreloadDispatch(da[r], p), "loading the dispatch kernels");
-    else if (op == "combine") Check(PreloadCombine(ca[r], p), "loading the combine kernels");
-  }
+  // The launchers load their kernels before any of them waits on a peer
+  // (bulk_copy.cuh LoadKernel), so rank 0's waiting kernels never hold up
+  // the launch of rank 1's.
   for (int r = 0; r < R; ++r) {
     if (!runs[r]) continue;
     const EpPeers p = lb.Peers(r);

@@ -773,8 +773,11 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
-  CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
+  // The data kernel is loaded before the start kernel starts waiting on the
+  // peers (LoadKernel).
   const CombineDataChoice k = ChooseCombineData(a, w, R);
+  if (cudaError_t err = LoadKernel(k.fn, k.smem); err != cudaSuccess) return err;
+  CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, k.threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);
@@ -784,23 +787,8 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
     recv_blocks = std::max(1, send_blocks + recv_blocks);
     send_blocks = 0;
   }
-  if (k.smem > 0) {
-    const cudaError_t attr = AllowBulkSmem(k.fn, k.smem);
-    if (attr != cudaSuccess) return attr;
-  }
   k.fn<<<send_blocks + recv_blocks, k.threads, k.smem, stream>>>(c, w, p, io, send_blocks, k.slot_bytes, k.piece);
   return cudaGetLastError();
-}
-
-cudaError_t PreloadCombine(const CombineArgs& a, const EpPeers& p) {
-  const CombineWindow w(p.nranks, a.num_tokens, a.hidden, a.topk, EpDtypeBytes(a.y_dtype),
-                        a.layout == EpLayout::kExpert);
-  const CombineDataChoice k = ChooseCombineData(a, w, p.nranks);
-  cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, CombineStartKernel);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, k.fn);
-  if (err == cudaSuccess && k.smem > 0) err = AllowBulkSmem(k.fn, k.smem);
-  return err;
 }
 
 }  // namespace jax_ep

@@ -1295,18 +1295,6 @@ DispatchDataChoice ChooseDispatchData(const DispatchArgs& a, const DispatchWindo
 
 }  // namespace
 
-cudaError_t PreloadDispatch(const DispatchArgs& a, const EpPeers& p) {
-  const bool fp8 = a.cast_fp8 || a.x_dtype == EpDtype::kFp8E4m3;
-  const DispatchWindow w(p.nranks, a.num_tokens, a.hidden, a.topk, a.num_experts,
-                         fp8 ? 1 : EpDtypeBytes(a.x_dtype), fp8);
-  const DispatchDataChoice k = ChooseDispatchData(a, w);
-  cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, DispatchSetupKernel);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, k.fn);
-  if (err == cudaSuccess && k.smem > 0) err = AllowBulkSmem(k.fn, k.smem);
-  return err;
-}
-
 cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream) {
   const int R = p.nranks;
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
@@ -1328,6 +1316,10 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};
+  // The data kernel is loaded before the setup kernel starts waiting on the
+  // peers (LoadKernel).
+  const DispatchDataChoice k = ChooseDispatchData(a, w);
+  if (cudaError_t err = LoadKernel(k.fn, k.smem); err != cudaSuccess) return err;
 
   const int nslots = c.expert ? w.counts_stride : 2;
   // The prep blocks read topk twice (count, then place), through L1; after a
@@ -1353,17 +1345,12 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   }
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
-  const DispatchDataChoice k = ChooseDispatchData(a, w);
   int send_blocks = 0, recv_blocks = 0;
   // Receivers copy HBM to HBM what the link brings in: half of the CTAs
   // (measured: 12/12 of 24 beat 16/8 by 9 us at the Normal shape); a quarter
   // when the senders also quantise and the rows are half as long.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, k.threads / 32, R, a.cast_fp8 ? 0.25 : 0.5, a.start,
                   &send_blocks, &recv_blocks);
-  if (k.smem > 0) {
-    const cudaError_t attr = AllowBulkSmem(k.fn, k.smem);
-    if (attr != cudaSuccess) return attr;
-  }
   k.fn<<<send_blocks + recv_blocks, k.threads, k.smem, stream>>>(c, w, p, io, send_blocks, k.slot_bytes);
   return cudaGetLastError();
 }

@@ -105,15 +105,6 @@ std::string ValidateCombine(const CombineArgs& a, const EpPeers& p);
 cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream);
 cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream);
 
-// Loads the kernels LaunchDispatch / LaunchCombine would run for `a`, without
-// running them. CUDA loads a kernel at its first launch, and loading may wait
-// for the device's running kernels: a host thread that launches several
-// ranks' ops on one device (ffi/handlers/loopback.cc) would then wait for a
-// first kernel that spins on a peer it has not launched yet. (With a host
-// thread per device such a load stalls once, not for good.)
-cudaError_t PreloadDispatch(const DispatchArgs& a, const EpPeers& p);
-cudaError_t PreloadCombine(const CombineArgs& a, const EpPeers& p);
-
 // Bytes (from the window base, header included) that one config needs; the
 // communicator's size hint should be at least this (window_layout.h).
 size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, bool fp8_scales);

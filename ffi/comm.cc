@@ -330,8 +330,10 @@ DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
   return nullptr;
 }
 
-// The kernel wrote the two records before the word, so they are complete
-// once the word is seen.
+namespace {
+// ": hidden 7168 here, 4096 on EP rank 1; ..." from the two records the
+// kernel left next to the status word (config_check.cuh); it wrote them
+// before the word, so they are complete once the word is seen.
 std::string ConfigMismatchDetail(uint32_t* status_host, int peer) {
   constexpr size_t kWords = kOpConfigBytes / 4;  // per record: tag, op, fields
   uint32_t rec[2][kWords] = {};
@@ -357,21 +359,30 @@ std::string ConfigMismatchDetail(uint32_t* status_host, int peer) {
   }
   return out;
 }
+}  // namespace
+
+std::string TakeStatusWord(uint32_t* status_host, int rank, int device_ordinal, double timeout_s,
+                           uint32_t* code_out) {
+  // The device writes the word with system-scope atomics through the
+  // mapping; a volatile read sees it without any stream synchronisation.
+  volatile unsigned long long* word = reinterpret_cast<volatile unsigned long long*>(status_host);
+  const unsigned long long v = *word;
+  const uint32_t code = static_cast<uint32_t>(v);
+  if (code_out != nullptr) *code_out = code;
+  if (code == 0) return "";
+  *word = 0;
+  std::string msg = DescribeStatus(code, rank, device_ordinal, timeout_s, v >> 32);
+  if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch) {
+    msg += ConfigMismatchDetail(status_host, static_cast<int>(code & 0xffu));
+  }
+  return msg;
+}
 
 std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
   if (dev.status_host == nullptr) return "";
-  // The device writes the word with system-scope atomics through the
-  // mapping; a volatile read sees it without any stream synchronisation.
-  volatile unsigned long long* word = reinterpret_cast<volatile unsigned long long*>(dev.status_host);
-  const unsigned long long v = *word;
-  const uint32_t code = static_cast<uint32_t>(v);
-  if (code == 0) return "";
+  uint32_t code = 0;
+  std::string msg = TakeStatusWord(dev.status_host, dev.rank, dev.device_ordinal, timeout_s, &code);
   if (IsLostPeerStatus(code)) MarkBroken();
-  *word = 0;
-  std::string msg = DescribeStatus(code, dev.rank, dev.device_ordinal, timeout_s, v >> 32);
-  if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch) {
-    msg += ConfigMismatchDetail(dev.status_host, static_cast<int>(code & 0xffu));
-  }
   return msg;
 }
 

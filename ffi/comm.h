@@ -218,10 +218,11 @@ bool IsLostPeerStatus(uint32_t code);
 // `call`: the number of the op that reported it on its device (0: unknown).
 std::string DescribeStatus(uint32_t code, int rank, int device_ordinal,
                            double timeout_s, unsigned long long call = 0);
-// For a Cause::kConfigMismatch with `peer`: ": hidden 7168 here, 4096 on EP
-// rank 1; ..." from the two records the kernel left after the status word
-// (config_check.cuh, kStatusReportOffset); clears them.
-std::string ConfigMismatchDetail(uint32_t* status_host, int peer);
+// The message of the status word at `status_host` (mapped host memory,
+// EpPeers::status) with a configuration mismatch's two values, or "" when
+// it is 0; clears the word and the mismatch records. `code_out`: the code.
+std::string TakeStatusWord(uint32_t* status_host, int rank, int device_ordinal, double timeout_s,
+                           uint32_t* code_out = nullptr);
 
 ncclUniqueId NewUniqueId();
 // (compiled NCCL_VERSION_CODE, ncclGetVersion() of the loaded library)

@@ -401,13 +401,7 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
   for (int r = 0; r < R; ++r) Check(cudaStreamSynchronize(lb.streams[r]), op + " on rank " + std::to_string(r));
   std::vector<nb::dict> outs;
   for (int r = 0; r < R; ++r) {
-    auto* word = reinterpret_cast<volatile unsigned long long*>(lb.status_host[r]);
-    const unsigned long long w = *word;
-    const uint32_t code = static_cast<uint32_t>(w);
-    if (code != 0) reports[r] = DescribeStatus(code, r, lb.device, lb.timeout_s, w >> 32);
-    if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch)
-      reports[r] += ConfigMismatchDetail(lb.status_host[r], static_cast<int>(code & 0xffu));
-    *word = 0;
+    reports[r] = TakeStatusWord(lb.status_host[r], r, lb.device, lb.timeout_s);
     outs.push_back(named[r]->Download());
   }
   return {std::move(outs), std::move(reports)};

@@ -76,17 +76,22 @@ def _check_dispatch(outs, disp, hd, layout, fp8):
       _eq(got[name], hd[name][r], name + pad)
 
 
+def _capacity(R, T, K, E, layout, align=1):
+  """The oracle's default capacity, at least 1 (zero tokens)."""
+  if layout == "rank":
+    return max(1, oracle.default_capacity_rank(R, T))
+  return max(1, oracle.default_capacity_expert(R, T, K, E // R, align))
+
+
 def _round(lb, rng, T, H, K, E, dtype, mode, layout, *, align=1, cast_fp8=False, weighted=True):
   """One dispatch -> combine against the oracle."""
   R = lb.R
   payload, idx, w = _inputs(rng, R, T, H, K, E, dtype, mode)
+  C = _capacity(R, T, K, E, layout, align)
+  want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
   if layout == "rank":
-    C = max(1, oracle.default_capacity_rank(R, T))
-    want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
     disp = oracle.dispatch_rank(want_payload, idx, w, E, C)
   else:
-    C = max(1, oracle.default_capacity_expert(R, T, K, E // R, align))
-    want_payload = oracle.quantize_fp8(payload[0]) if cast_fp8 else payload
     disp = oracle.dispatch_expert(want_payload, idx, w, E, align, C)
   outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout=layout, align=align, cast_fp8=cast_fp8,
                         num_sms=_data_sms(R))
@@ -173,7 +178,7 @@ def test_bad_expert_id_on_one_rank_is_reported_then_next_call_works():
     payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
     idx[1, 5, 0] = E + 3
     for layout in ("rank", "expert"):
-      C = oracle.default_capacity_rank(R, T) if layout == "rank" else oracle.default_capacity_expert(R, T, K, E // R, 1)
+      C = _capacity(R, T, K, E, layout)
       _, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout=layout, check=False)
       assert "expert id" in reports[1], reports
       _round(lb, rng, T, H, K, E, "bf16", "random", layout)

@@ -107,21 +107,24 @@ def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int,
   return float(np.mean(nv)), float(np.mean(lg))
 
 
-def _chain(fn: Callable, iters: int) -> Callable:
-  """A jitted step of `iters` chained calls of `fn`."""
+def _chain(fn: Callable, iters: int, last_only: bool = False) -> Callable:
+  """A jitted step of `iters` chained calls of `fn`. `last_only`: the step
+  returns the last call's output alone, as a user's step that consumes its
+  fetches inside the program would; every call still runs (each barrier's
+  carry, used by the next call, depends on its call's output)."""
   import jax
   from jax import lax
 
   def step(*a):
-    # Every call's output is returned (no checksum: reducing a sharded output
-    # would add a collective per call), and the barrier makes each call's
-    # inputs look new: XLA can neither drop nor merge the calls.
+    # No checksum: reducing a sharded output would add a collective per
+    # call; the barrier makes each call's inputs look new, so XLA can
+    # neither drop nor merge the calls.
     carry, outs = a, []
     for _ in range(iters):
       out = fn(*carry)
       carry, out = lax.optimization_barrier((carry, out))
       outs.append(out)
-    return outs
+    return outs[-1] if last_only else outs
 
   return jax.jit(step)
 
@@ -138,10 +141,10 @@ def _time_chain(jstep: Callable, args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
+def _time_step(fn: Callable, args, *, iters: int, repeats: int, last_only: bool = False) -> float:
   """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
   import jax
-  jstep = _chain(fn, iters)
+  jstep = _chain(fn, iters, last_only)
   jax.block_until_ready(jstep(*args))  # compile + warm-up
   return _time_chain(jstep, args, repeats) / iters
 
@@ -242,7 +245,7 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
   return _gpu_events(*load_trace(trace_dir))
 
 
-def profile_step(fn, args, iters: int) -> tuple[list[dict], dict]:
+def profile_step(fn, args, iters: int, last_only: bool = False) -> tuple[list[dict], dict]:
   """(trace events, process id -> name) of a jax.profiler trace of
   _time_step(fn, args, iters, repeats=1), which runs its step three times
   (two warm-ups, one timed)."""
@@ -250,7 +253,7 @@ def profile_step(fn, args, iters: int) -> tuple[list[dict], dict]:
   import jax
   tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
   with jax.profiler.trace(tdir, create_perfetto_trace=True):
-    _time_step(fn, args, iters=iters, repeats=1)
+    _time_step(fn, args, iters=iters, repeats=1, last_only=last_only)
   return load_trace(tdir)
 
 
@@ -262,8 +265,9 @@ def chain_times(gpu_evs: list[dict], kernel: Optional[str], calls: int) -> dict:
   of one name (what a call costs in a long chain, launch gaps included,
   without the step's own launch, sync and the returning of its outputs);
   `kernel_parts`, kernel_us per distinct name. None where nothing matches."""
-  out = dict(kernel_us=None, gpu_us=None, gap_us=None, kernel_parts=None)
+  out = dict(kernel_us=None, gpu_us=None, gap_us=None, kernel_parts=None, kernels_per_call=0.0)
   mine = [e for e in gpu_evs if kernel is None or kernel.lower() in e["name"].lower()]
+  out["kernels_per_call"] = len(mine) / calls
   if gpu_evs:
     out["gpu_us"] = sum(e["dur"] for e in gpu_evs) / calls
   if mine:

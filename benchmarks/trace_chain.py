@@ -1,12 +1,11 @@
 """Where a chain of small calls spends its time (one GPU): for a chain of
 Engram fetches, a chain of jax_ep layout calls and a chain of XLA
-elementwise ops, the wall time per call, the GPU's busy time per call, the
-median gap between the starts of consecutive kernels on the GPU, the wall
-time each call added to a chain twice as long, and the
-host-side trace events that occur once per call (name, mean µs). Wall well
-above busy with kernels spaced by the host's per-call time means the host
-enqueues no further ahead than one call: the per-call host cost is then on
-the critical path.
+elementwise ops (and Engram publishes), the wall time per call, the GPU's
+busy time per call, the median gap between the starts of consecutive
+kernels on the GPU, the wall time each call added to a chain twice as long
+and the kernels the profile saw per call - each for a step that returns
+every call's output (the benchmarks' chain) and for one that returns only
+the last (a user's step consuming its results inside the program).
 
   python benchmarks/trace_chain.py [--out DIR]   (writes trace_chain.json)
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from typing import Optional
 
@@ -29,23 +27,26 @@ ITERS = 50
 
 
 def _profile(fn, args, kernel: Optional[str]) -> dict:
-  wall = bn._time_step(fn, args, iters=ITERS, repeats=7)
-  # The step's fixed cost drops out of the difference of two chain lengths;
-  # what each returned output costs does not.
-  slope = (bn._time_step(fn, args, iters=2 * ITERS, repeats=7) * 2 * ITERS - wall * ITERS) / ITERS
-  evs, names = bn.profile_step(fn, args, ITERS)
-  calls = 3 * ITERS  # profile_step's three steps
-  t = bn.chain_times(bn._gpu_events(evs, names), kernel, calls)
-  gpu = {p for p, n in names.items() if "GPU" in str(n)}
-  host: dict[str, list[float]] = {}
-  for e in evs:
-    if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e:
-      host.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
-  per_call = sorted(((n, len(d), statistics.mean(d)) for n, d in host.items()
-                     if calls <= len(d) <= 4 * calls), key=lambda t: -t[2])[:12]
-  return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
-              kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
-              host_per_call=[dict(name=n[:80], count=c, mean_us=m) for n, c, m in per_call])
+  out = {}
+  # "all": the benchmarks' step, which returns every call's output; "last":
+  # a step that returns only the last one, as a user's program consuming its
+  # fetches inside the step would. The difference is what returning outputs
+  # costs, not what a call costs.
+  for mode, last in (("all", False), ("last", True)):
+    wall = bn._time_step(fn, args, iters=ITERS, repeats=7, last_only=last)
+    # The step's fixed cost drops out of the difference of two chain lengths.
+    twice = bn._time_step(fn, args, iters=2 * ITERS, repeats=7, last_only=last)
+    slope = (twice * 2 * ITERS - wall * ITERS) / ITERS
+    evs, names = bn.profile_step(fn, args, ITERS, last_only=last)
+    t = bn.chain_times(bn._gpu_events(evs, names), kernel, 3 * ITERS)  # profile_step's three steps
+    out[mode] = dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
+                     kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
+                     kernels_per_call=t["kernels_per_call"])
+  return out
+
+
+def _r(v) -> str:
+  return "-" if v is None else f"{v:.1f}"
 
 
 def main(argv=None) -> int:
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     fetch = smap(lambda tok, i: _ffi_engram.fetch_cuda(tok, i, rows_per_rank=VL, dim=D,
                                                        dtype=jnp.bfloat16, comm_id=cid))
     out["engram_fetch"] = _profile(fetch, (token, idx), "EngramFetchKernel")
+    publish = smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid))
+    out["engram_publish"] = _profile(publish, (table,), "memcpy")
     topk = jax.device_put(np.stack([rng.permutation(256)[:8] for _ in range(4096)]).astype(np.int32),
                           NamedSharding(mesh, P("ep")))
     layout = smap(lambda i: jax_ep.get_dispatch_layout(i, num_experts=256, axis_name="ep",
@@ -83,12 +86,12 @@ def main(argv=None) -> int:
   x = jax.device_put(jnp.asarray(rng.standard_normal((T, E, D)), jnp.bfloat16),
                      NamedSharding(mesh, P("ep")))
   out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), None)
-  for k, r in out.items():
-    print(f"{k}: wall {r['wall_us']:.1f} us/call ({r['slope_us']:.1f} per added call), GPU busy {r['gpu_busy_us']:.1f}, kernel "
-          f"{r['kernel_us'] if r['kernel_us'] is None else round(r['kernel_us'], 1)}, start gap "
-          f"{r['start_gap_us'] if r['start_gap_us'] is None else round(r['start_gap_us'], 1)}")
-    for h in r["host_per_call"]:
-      print(f"    host {h['mean_us']:8.1f} us x{h['count']:5d}  {h['name']}")
+  print(f"{'chain of ' + str(ITERS):18s} {'returns':7s} {'wall/call':>9s} {'added':>7s} "
+        f"{'busy':>7s} {'kernel':>7s} {'gap':>7s} {'k/call':>6s}  (us)")
+  for k, modes in out.items():
+    for mode, r in modes.items():
+      print(f"{k:18s} {mode:7s} {_r(r['wall_us']):>9s} {_r(r['slope_us']):>7s} {_r(r['gpu_busy_us']):>7s} "
+            f"{_r(r['kernel_us']):>7s} {_r(r['start_gap_us']):>7s} {r['kernels_per_call']:6.2f}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "trace_chain.json")
   with open(path, "w") as f:

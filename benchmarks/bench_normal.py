@@ -179,6 +179,18 @@ def time_or_none(label: str, fn, args, quick: bool, max_iters: Optional[int] = N
     return None
 
 
+def chain_last_us(label: str, fn, args, iters: int = 50, repeats: int = 7) -> Optional[float]:
+  """µs per call in a chain of `iters` whose step returns only the last
+  call's output (a user's step that consumes its results inside the
+  program), or None after saying why it failed. Beside time_us (every
+  output returned): their difference is what returning outputs costs."""
+  try:
+    return _time_step(fn, args, iters=iters, repeats=repeats, last_only=True) * 1e6
+  except Exception as e:  # noqa: BLE001
+    print(f"  {label} (last-only chain): FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+    return None
+
+
 def load_trace(trace_dir: str) -> tuple[list[dict], dict]:
   """(trace events, process id -> process name) of the newest Perfetto trace
   that jax.profiler wrote under trace_dir."""

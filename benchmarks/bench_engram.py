@@ -25,9 +25,7 @@ returned and its inputs passed through lax.optimization_barrier
 (bench_normal._time_step), divided by `iters`. Beside them, for jax_ep's
 rows, from a profiler trace: `gpu_us`, the GPU's busy time per call (every
 kernel and copy), and for the fetch `kernel_us`, EngramFetchKernel alone
-(what DeepEP reports); wall minus busy is launch and host time; and
-`chain_last_us`, the wall time per call of a chain whose step returns only
-its last output (what returning every output adds is not a call's cost).
+(what DeepEP reports); wall minus busy is launch and host time.
 
   python benchmarks/bench_engram.py [--quick] [--out DIR]
 
@@ -99,7 +97,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram, _native
-  from bench_normal import chain_last_us, time_or_none, trace_us
+  from bench_normal import time_or_none, trace_us
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -130,10 +128,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
     extra = ""
     if impl.startswith("jax_ep"):
       tr = trace_us(fn, args, kernel, shape.ranks)
-      last = chain_last_us(f"engram_fetch/{impl}/{dtype}", fn, args)
-      results[-1].update(gpu_us=tr["gpu_us"], kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"],
-                         chain_last_us=last)
-      extra = f"  last-only chain {_fmt(last, '6.1f')} us, gpu busy {_fmt(tr['gpu_us'], '6.1f')} us" + (
+      results[-1].update(gpu_us=tr["gpu_us"], kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"])
+      extra = f"  gpu busy {_fmt(tr['gpu_us'], '6.1f')} us" + (
           f", {kernel} {_fmt(tr['kernel_us'], '6.1f')} us, {_fmt(tr['gap_us'], '6.1f')} us apart"
           if kernel else "")
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)

@@ -73,11 +73,9 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
     if kernel is not None:
       tr = bench_normal.trace_us(fn, args, kernel, shape.ranks)
       rec.update(sms=ll_sms(shape), kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"],
-                 kernel_parts=tr["kernel_parts"],
-                 chain_last_us=bench_normal.chain_last_us(f"{name}/{impl}/{dtype}", fn, args, chain))
+                 kernel_parts=tr["kernel_parts"])
     results.append(rec)
-    extra = "" if kernel is None else (f"  last-only chain {rec['chain_last_us']} us, "
-                                       f"kernel {rec['kernel_us']} us, {rec['chain_gap_us']} us "
+    extra = "" if kernel is None else (f"  kernel {rec['kernel_us']} us, {rec['chain_gap_us']} us "
                                        f"apart in the chain, {rec['sms']} SMs")
     print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 

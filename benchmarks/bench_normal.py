@@ -107,24 +107,23 @@ def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int,
   return float(np.mean(nv)), float(np.mean(lg))
 
 
-def _chain(fn: Callable, iters: int, last_only: bool = False) -> Callable:
-  """A jitted step of `iters` chained calls of `fn`. `last_only`: the step
-  returns the last call's output alone, as a user's step that consumes its
-  fetches inside the program would; every call still runs (each barrier's
-  carry, used by the next call, depends on its call's output)."""
+def _chain(fn: Callable, iters: int) -> Callable:
+  """A jitted step of `iters` chained calls of `fn`."""
   import jax
   from jax import lax
 
   def step(*a):
-    # No checksum: reducing a sharded output would add a collective per
-    # call; the barrier makes each call's inputs look new, so XLA can
-    # neither drop nor merge the calls.
+    # Every call's output is returned: a step returning only the last one
+    # let XLA drop 49 of 50 Engram fetches, barrier or not (trace_chain,
+    # session 16: 0.02 kernels per call). No checksum either: reducing a
+    # sharded output would add a collective per call. The barrier makes each
+    # call's inputs look new, so XLA cannot merge the calls.
     carry, outs = a, []
     for _ in range(iters):
       out = fn(*carry)
       carry, out = lax.optimization_barrier((carry, out))
       outs.append(out)
-    return outs[-1] if last_only else outs
+    return outs
 
   return jax.jit(step)
 
@@ -141,10 +140,10 @@ def _time_chain(jstep: Callable, args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _time_step(fn: Callable, args, *, iters: int, repeats: int, last_only: bool = False) -> float:
+def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
   """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
   import jax
-  jstep = _chain(fn, iters, last_only)
+  jstep = _chain(fn, iters)
   jax.block_until_ready(jstep(*args))  # compile + warm-up
   return _time_chain(jstep, args, repeats) / iters
 
@@ -176,18 +175,6 @@ def time_or_none(label: str, fn, args, quick: bool, max_iters: Optional[int] = N
     return _time_step(fn, args, iters=min(iters, max_iters or iters), repeats=reps)
   except Exception as e:  # noqa: BLE001
     print(f"  {label}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
-    return None
-
-
-def chain_last_us(label: str, fn, args, iters: int = 50, repeats: int = 7) -> Optional[float]:
-  """µs per call in a chain of `iters` whose step returns only the last
-  call's output (a user's step that consumes its results inside the
-  program), or None after saying why it failed. Beside time_us (every
-  output returned): their difference is what returning outputs costs."""
-  try:
-    return _time_step(fn, args, iters=iters, repeats=repeats, last_only=True) * 1e6
-  except Exception as e:  # noqa: BLE001
-    print(f"  {label} (last-only chain): FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
     return None
 
 
@@ -257,7 +244,7 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
   return _gpu_events(*load_trace(trace_dir))
 
 
-def profile_step(fn, args, iters: int, last_only: bool = False) -> tuple[list[dict], dict]:
+def profile_step(fn, args, iters: int) -> tuple[list[dict], dict]:
   """(trace events, process id -> name) of a jax.profiler trace of
   _time_step(fn, args, iters, repeats=1), which runs its step three times
   (two warm-ups, one timed)."""
@@ -265,7 +252,7 @@ def profile_step(fn, args, iters: int, last_only: bool = False) -> tuple[list[di
   import jax
   tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
   with jax.profiler.trace(tdir, create_perfetto_trace=True):
-    _time_step(fn, args, iters=iters, repeats=1, last_only=last_only)
+    _time_step(fn, args, iters=iters, repeats=1)
   return load_trace(tdir)
 
 

@@ -3,9 +3,7 @@ Engram fetches, a chain of jax_ep layout calls and a chain of XLA
 elementwise ops (and Engram publishes), the wall time per call, the GPU's
 busy time per call, the median gap between the starts of consecutive
 kernels on the GPU, the wall time each call added to a chain twice as long
-and the kernels the profile saw per call - each for a step that returns
-every call's output (the benchmarks' chain) and for one that returns only
-the last (a user's step consuming its results inside the program).
+and the kernels the profile saw per call (1.00: no call was dropped).
 
   python benchmarks/trace_chain.py [--out DIR]   (writes trace_chain.json)
 """
@@ -27,22 +25,16 @@ ITERS = 50
 
 
 def _profile(fn, args, kernel: Optional[str]) -> dict:
-  out = {}
-  # "all": the benchmarks' step, which returns every call's output; "last":
-  # a step that returns only the last one, as a user's program consuming its
-  # fetches inside the step would. The difference is what returning outputs
-  # costs, not what a call costs.
-  for mode, last in (("all", False), ("last", True)):
-    wall = bn._time_step(fn, args, iters=ITERS, repeats=7, last_only=last)
-    # The step's fixed cost drops out of the difference of two chain lengths.
-    twice = bn._time_step(fn, args, iters=2 * ITERS, repeats=7, last_only=last)
-    slope = (twice * 2 * ITERS - wall * ITERS) / ITERS
-    evs, names = bn.profile_step(fn, args, ITERS, last_only=last)
-    t = bn.chain_times(bn._gpu_events(evs, names), kernel, 3 * ITERS)  # profile_step's three steps
-    out[mode] = dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
-                     kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
-                     kernels_per_call=t["kernels_per_call"])
-  return out
+  wall = bn._time_step(fn, args, iters=ITERS, repeats=7)
+  # The step's fixed cost drops out of the difference of two chain lengths;
+  # what each returned output costs does not.
+  twice = bn._time_step(fn, args, iters=2 * ITERS, repeats=7)
+  slope = (twice * 2 * ITERS - wall * ITERS) / ITERS
+  evs, names = bn.profile_step(fn, args, ITERS)
+  t = bn.chain_times(bn._gpu_events(evs, names), kernel, 3 * ITERS)  # profile_step's three steps
+  return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
+              kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
+              kernels_per_call=t["kernels_per_call"])
 
 
 def _r(v) -> str:
@@ -86,12 +78,11 @@ def main(argv=None) -> int:
   x = jax.device_put(jnp.asarray(rng.standard_normal((T, E, D)), jnp.bfloat16),
                      NamedSharding(mesh, P("ep")))
   out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), None)
-  print(f"{'chain of ' + str(ITERS):18s} {'returns':7s} {'wall/call':>9s} {'added':>7s} "
+  print(f"{'chain of ' + str(ITERS):18s} {'wall/call':>9s} {'added':>7s} "
         f"{'busy':>7s} {'kernel':>7s} {'gap':>7s} {'k/call':>6s}  (us)")
-  for k, modes in out.items():
-    for mode, r in modes.items():
-      print(f"{k:18s} {mode:7s} {_r(r['wall_us']):>9s} {_r(r['slope_us']):>7s} {_r(r['gpu_busy_us']):>7s} "
-            f"{_r(r['kernel_us']):>7s} {_r(r['start_gap_us']):>7s} {r['kernels_per_call']:6.2f}")
+  for k, r in out.items():
+    print(f"{k:18s} {_r(r['wall_us']):>9s} {_r(r['slope_us']):>7s} {_r(r['gpu_busy_us']):>7s} "
+          f"{_r(r['kernel_us']):>7s} {_r(r['start_gap_us']):>7s} {r['kernels_per_call']:6.2f}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "trace_chain.json")
   with open(path, "w") as f:

@@ -108,6 +108,18 @@ def test_concurrency_counts_communication_beside_compute_on_other_streams_only()
   assert comm == 150.0 and both == 50.0
 
 
+def test_chain_times_counts_the_kernels_it_saw_per_call():
+  """A chain whose calls XLA dropped shows fewer than one kernel per call
+  (session 16: a last-output-only chain kept 1 of 50 fetches)."""
+  bn = _bench_normal()
+  evs = [dict(name="EngramFetchKernel", ts=10.0 * i, dur=5.0, line=(1, 7)) for i in range(4)]
+  evs.append(dict(name="loop_fusion", ts=100.0, dur=2.0, line=(1, 7)))
+  full = bn.chain_times(evs, "EngramFetch", calls=4)
+  assert full["kernels_per_call"] == 1.0 and full["kernel_us"] == 5.0 and full["gap_us"] == 10.0
+  assert bn.chain_times(evs[:1], "EngramFetch", calls=4)["kernels_per_call"] == 0.25
+  assert bn.chain_times([], "EngramFetch", calls=4)["kernels_per_call"] == 0.0
+
+
 def test_setup_stamps_reads_the_kernels_lines_and_drops_each_layouts_first_call():
   ss = _bench("setup_stamps")
   line = ("jax_ep setup stamps ({lay} layout), us: zeroed 0.50 barrier1 {b:.2f} end 9.00"

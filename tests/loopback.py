@@ -16,7 +16,6 @@ from oracle import BF16, F32, FP8
 F16 = np.dtype(np.float16)
 _DTYPE_CODE = {BF16: 0, F16: 1, F32: 2, FP8: 3}  # ffi/kernels/ep_kernels.h EpDtype
 _LAYOUT_CODE = {"rank": 0, "expert": 1}
-_CHUNKS_PER_SOURCE = 4096  # window_layout.h kChunksPerSource
 
 
 class LoopbackError(RuntimeError):
@@ -61,13 +60,13 @@ class Loopback:
   def describe(self) -> str:
     """Each rank's barrier epoch, the barrier flags in its window and its
     non-zero chunk counters (window_layout.h): where a wait stopped."""
-    lines = []
+    lines, chunks_per_source = [], self._m.chunks_per_source  # window_layout.h
     for r in range(self.R):
       epoch = int(np.frombuffer(self._m.loopback_peek(self.id, r, "counters", 0, 8), np.uint64)[0])
       flags = np.frombuffer(self._m.loopback_peek(self.id, r, "window", 0, 8 * self.R), np.uint64)
       cc = np.frombuffer(self._m.loopback_peek(self.id, r, "window", _native.WINDOW_HEADER_BYTES,
-                                               4 * self.R * _CHUNKS_PER_SOURCE), np.uint32)
-      cc = cc.reshape(self.R, _CHUNKS_PER_SOURCE)
+                                               4 * self.R * chunks_per_source), np.uint32)
+      cc = cc.reshape(self.R, chunks_per_source)
       chunks = {s: [(int(c), int(cc[s, c])) for c in np.nonzero(cc[s])[0][:6]] for s in range(self.R)}
       lines.append(f"rank {r}: epoch {epoch}, barrier flags {[hex(int(f)) for f in flags]}, "
                    f"chunk counters (source: [(chunk, count)]) {chunks}")

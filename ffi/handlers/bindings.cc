@@ -418,5 +418,6 @@ void RegisterCudaBindings(nb::module_& m) {
   m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
   m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);
   m.attr("window_header_bytes") = jax_ep::kWindowHeaderBytes;
+  m.attr("chunks_per_source") = jax_ep::kChunksPerSource;
   RegisterLoopbackBindings(m);
 }

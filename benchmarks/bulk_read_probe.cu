@@ -52,10 +52,6 @@ __device__ __forceinline__ int Issue(BulkSlots& bulk, const char* src, uint32_t 
   return s;
 }
 
-// Each lane sums vectors of every piece, in piece order, into 8 f32
-// accumulators per vector (bf16 channels), as combine's reducer does: kU
-// vectors per lane at a time, the vectors of kR rows loaded from shared
-// memory before any is added. The reducer is <1, kSmemUnroll = 4>.
 // a[e] += 0.5 * bf16 element e of v (eight per uint4), each step rounded
 // on its own, as the combine reducer sums (no FMA).
 __device__ __forceinline__ void AddBf16x8(float (&a)[8], const uint4& v) {
@@ -67,6 +63,10 @@ __device__ __forceinline__ void AddBf16x8(float (&a)[8], const uint4& v) {
   }
 }
 
+// Each lane sums vectors of every piece, in piece order, into 8 f32
+// accumulators per vector (bf16 channels), as combine's reducer does: kU
+// vectors per lane at a time, the vectors of kR rows loaded from shared
+// memory before any is added. The reducer is <1, kSmemUnroll = 4>.
 template <int kR, int kU>
 __device__ __forceinline__ float SumLoadsFirst(const char* slot, uint32_t piece, int rows, int lane) {
   float acc = 0.f;

@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "kernels/gin.cuh"
+#include "kernels/kernel_load.h"
 
 namespace jax_ep {
 namespace {
@@ -646,6 +647,8 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
   }
   for (auto& d : res->devices) {
     CheckCuda(cudaSetDevice(d.device_ordinal), "cudaSetDevice", d.device_ordinal);
+    // Before any op can wait on a peer (kernels/kernel_load.h).
+    CheckCuda(LoadCommKernels(), "loading the jax_ep kernels", d.device_ordinal);
     // The memsets above ran on the legacy stream; XLA's streams do not wait
     // for it.
     CheckCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", d.device_ordinal);

@@ -26,6 +26,7 @@
 #include "kernels/engram.cuh"
 #include "kernels/engram_layout.h"
 #include "kernels/ep_kernels.h"
+#include "kernels/kernel_load.h"
 #include "kernels/low_latency.cuh"
 
 namespace nb = nanobind;
@@ -77,6 +78,7 @@ struct Loopback {
       Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
       streams.push_back(s);
     }
+    Check(LoadCommKernels(), "loading the kernels (kernels/kernel_load.h)");
     Check(cudaDeviceSynchronize(), "zeroing the windows");
   }
 
@@ -378,9 +380,9 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     n.CheckAllUsed();
     if (!msg.empty()) throw std::invalid_argument("jax_ep loopback " + op + " on rank " + std::to_string(r) + ": " + msg);
   }
-  // The launchers load their kernels before any of them waits on a peer
-  // (bulk_copy.cuh LoadKernel), so rank 0's waiting kernels never hold up
-  // the launch of rank 1's.
+  // Rank by rank, each op whole (an Engram publish and then its fetch, as
+  // the fused handler does): every kernel was loaded in Init, so rank 0's
+  // waiting kernels never hold up the launch of rank 1's.
   for (int r = 0; r < R; ++r) {
     if (!runs[r]) continue;
     const EpPeers p = lb.Peers(r);
@@ -389,13 +391,9 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     else if (op == "combine") err = LaunchCombine(ca[r], p, lb.streams[r]);
     else if (op == "ll_dispatch") err = LaunchLlDispatch(lda[r], p, sms_per_rank, lb.streams[r]);
     else if (op == "ll_combine") err = LaunchLlCombine(lca[r], p, sms_per_rank, lb.streams[r]);
-    else err = LaunchEngramPublish(epa[r], p, lb.streams[r]);
+    else if ((err = LaunchEngramPublish(epa[r], p, lb.streams[r])) == cudaSuccess)
+      err = LaunchEngramFetch(efa[r], p, lb.streams[r]);
     Check(err, op + " launch on rank " + std::to_string(r));
-  }
-  // The fetches only once every rank's publish is launched: a fetch's first
-  // launch may load its kernel, which waits for the publishes' barriers.
-  for (int r = 0; r < R && op == "engram"; ++r) {
-    if (runs[r]) Check(LaunchEngramFetch(efa[r], lb.Peers(r), lb.streams[r]), "engram fetch launch on rank " + std::to_string(r));
   }
   std::vector<std::string> reports(R);
   for (int r = 0; r < R; ++r) Check(cudaStreamSynchronize(lb.streams[r]), op + " on rank " + std::to_string(r));

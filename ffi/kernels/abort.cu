@@ -2,6 +2,7 @@
 #include "abort.h"
 
 #include "barrier.cuh"
+#include "kernel_load.h"
 
 namespace jax_ep {
 namespace {
@@ -17,6 +18,8 @@ __global__ void RefusedBarriersKernel(const __grid_constant__ EpPeers p, int bar
 }
 
 }  // namespace
+
+cudaError_t LoadAbortKernels() { return LoadEach(RefusedBarriersKernel); }
 
 cudaError_t LaunchRefusedBarriers(const EpPeers& p, int barriers, cudaStream_t stream) {
   if (barriers <= 0 || p.nranks <= 1) return cudaSuccess;

@@ -188,19 +188,6 @@ inline cudaError_t AllowBulkSmem(Kernel kernel, size_t smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
 }
 
-// Loads `kernel` now (with its shared-memory allowance when it has dynamic
-// shared memory). CUDA loads a kernel lazily at its first launch, and that
-// load may wait for the device's running kernels; an op calls this before
-// its first kernel starts waiting on the peers, so the load never waits for
-// that kernel (with one host thread launching several ranks on one device,
-// ffi/handlers/loopback.cc, it would until the timeout).
-template <typename Kernel>
-inline cudaError_t LoadKernel(Kernel kernel, size_t smem) {
-  if (smem > 0) return AllowBulkSmem(kernel, smem);
-  cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, kernel);
-}
-
 // After acquiring a peer's count (generic proxy, lane 0 or the whole warp):
 // order the warp's next bulk loads of the rows it announced after that
 // acquire.

@@ -23,6 +23,7 @@
 #include "transport.cuh"
 #include "vec16.cuh"
 #include "ep_kernels.h"
+#include "kernel_load.h"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -734,7 +735,28 @@ CombineDataChoice ChooseCombineData(const CombineArgs& a, const CombineWindow& w
   }
 }
 
+template <typename TY, bool kHasW>
+cudaError_t LoadCombineDataKernels() {
+  return LoadEach(CombineDataKernel<TY, kHasW, kThreads, false>, CombineDataKernel<TY, kHasW, kBulkMaxWarps * 32, true>,
+                  CombineDataKernel<TY, kHasW, 8 * 32, true>);
+}
+
+template <typename TY>
+cudaError_t LoadCombineDataKernels() {
+  if (cudaError_t err = LoadCombineDataKernels<TY, true>(); err != cudaSuccess) return err;
+  return LoadCombineDataKernels<TY, false>();
+}
+
 }  // namespace
+
+// Every kernel LaunchCombine can pick (CombineDataFor's variants, for each
+// output dtype ChooseCombineData takes).
+cudaError_t LoadCombineKernels() {
+  if (cudaError_t err = LoadEach(CombineStartKernel); err != cudaSuccess) return err;
+  if (cudaError_t err = LoadCombineDataKernels<__nv_bfloat16>(); err != cudaSuccess) return err;
+  if (cudaError_t err = LoadCombineDataKernels<__half>(); err != cudaSuccess) return err;
+  return LoadCombineDataKernels<float>();
+}
 
 size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout) {
   return CombineWindow(R, T, H, K, EpDtypeBytes(y), layout == EpLayout::kExpert).end;
@@ -773,10 +795,12 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
-  // The data kernel is loaded before the start kernel starts waiting on the
-  // peers (LoadKernel).
+  // Allowed before the start kernel starts waiting on the peers (the kernel
+  // itself was loaded with the Communicator, kernel_load.h).
   const CombineDataChoice k = ChooseCombineData(a, w, R);
-  if (cudaError_t err = LoadKernel(k.fn, k.smem); err != cudaSuccess) return err;
+  if (k.smem > 0) {
+    if (cudaError_t err = AllowBulkSmem(k.fn, k.smem); err != cudaSuccess) return err;
+  }
   CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.

@@ -33,6 +33,7 @@
 #include "ep_copy.cuh"
 #include "ep_kernels.h"
 #include "fp8.cuh"
+#include "kernel_load.h"
 #include "transport.cuh"
 #include "window_layout.h"
 
@@ -1295,6 +1296,15 @@ DispatchDataChoice ChooseDispatchData(const DispatchArgs& a, const DispatchWindo
 
 }  // namespace
 
+// Every kernel LaunchDispatch can pick (ChooseDispatchData's variants).
+cudaError_t LoadDispatchKernels() {
+  return LoadEach(DispatchSetupKernel, DispatchDataKernel<uint8_t, false, kBulkMaxWarps * 32, true>,
+                  DispatchDataKernel<uint8_t, false, 8 * 32, true>, DispatchDataKernel<uint8_t, false, kDataThreads, false>,
+                  DispatchDataKernel<__nv_bfloat16, true, kCastThreads, false>,
+                  DispatchDataKernel<__half, true, kCastThreads, false>,
+                  DispatchDataKernel<float, true, kCastThreads, false>);
+}
+
 cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream) {
   const int R = p.nranks;
   const bool fp8_in = a.x_dtype == EpDtype::kFp8E4m3;
@@ -1316,10 +1326,12 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};
-  // The data kernel is loaded before the setup kernel starts waiting on the
-  // peers (LoadKernel).
+  // Allowed before the setup kernel starts waiting on the peers (the kernel
+  // itself was loaded with the Communicator, kernel_load.h).
   const DispatchDataChoice k = ChooseDispatchData(a, w);
-  if (cudaError_t err = LoadKernel(k.fn, k.smem); err != cudaSuccess) return err;
+  if (k.smem > 0) {
+    if (cudaError_t err = AllowBulkSmem(k.fn, k.smem); err != cudaSuccess) return err;
+  }
 
   const int nslots = c.expert ? w.counts_stride : 2;
   // The prep blocks read topk twice (count, then place), through L1; after a

@@ -9,6 +9,7 @@
 // NVLink rate).
 #include "engram.cuh"
 #include "ep_copy.cuh"
+#include "kernel_load.h"
 
 #include <algorithm>
 
@@ -151,6 +152,13 @@ __global__ void __launch_bounds__(kFetchThreads)
 }
 
 }  // namespace
+
+// Every kernel of the launchers below (the fused publish + fetch handler
+// launches a fetch behind the publish's waiting barriers).
+cudaError_t LoadEngramKernels() {
+  return LoadEach(EngramBarrierKernel, EngramClearKernel, EngramFetchKernel<true, kFetchUnrollLarge>,
+                  EngramFetchKernel<true, kFetchUnrollSmall>, EngramFetchKernel<false, 1>);
+}
 
 cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream) {
   EngramBarrierKernel<<<1, 32, 0, stream>>>(p, a, false);

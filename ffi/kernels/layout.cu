@@ -6,6 +6,8 @@
 // atomics.
 #include "layout.cuh"
 
+#include "kernel_load.h"
+
 namespace jax_ep {
 namespace {
 
@@ -92,6 +94,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1)
 }
 
 }  // namespace
+
+cudaError_t LoadLayoutKernels() { return LoadEach(DispatchLayoutKernel); }
 
 size_t DispatchLayoutSmemBytes(int num_experts) {
   return static_cast<size_t>(num_experts) * sizeof(int32_t);

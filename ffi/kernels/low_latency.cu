@@ -10,6 +10,7 @@
 #include "barrier.cuh"
 #include "ep_copy.cuh"
 #include "fp8.cuh"
+#include "kernel_load.h"
 #include "low_latency.cuh"
 
 namespace jax_ep {
@@ -579,6 +580,12 @@ std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
     return "the symmetric window is too small for the low-latency ops: it needs " +
            std::to_string(need) + " bytes, has " + std::to_string(p.window_bytes);
   return "";
+}
+
+// Every kernel the two launchers below can pick.
+cudaError_t LoadLowLatencyKernels() {
+  return LoadEach(LlDispatchKernel<LlPart::kFused>, LlDispatchKernel<LlPart::kSend>, LlDispatchKernel<LlPart::kRecv>,
+                  LlCombineKernel<LlPart::kFused>, LlCombineKernel<LlPart::kSend>, LlCombineKernel<LlPart::kRecv>);
 }
 
 cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int device_sms,

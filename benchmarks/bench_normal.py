@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -107,8 +107,27 @@ def _bytes(topk_idx: np.ndarray, shape: Shape, row_bytes: int,
   return float(np.mean(nv)), float(np.mean(lg))
 
 
-def _chain(fn: Callable, iters: int) -> Callable:
-  """A jitted step of `iters` chained calls of `fn`."""
+def _digest(outs, mesh) -> Any:
+  """One small array holding the first element of every rank's shard of
+  every output leaf (each leaf split over the mesh's first axis, as
+  jax_ep.shard_map gives them): every call stays live, and the step returns
+  one buffer instead of one per call. Built per rank, so it adds no
+  collective."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+
+  def local(*leaves):
+    return jnp.stack([l.reshape(-1)[0].astype(jnp.float32) if l.size else jnp.float32(0) for l in leaves])
+
+  leaves = jax.tree.leaves(outs)
+  axis = mesh.axis_names[0]
+  return jax_ep.shard_map(local, mesh=mesh, axis_name=axis)(*leaves)
+
+
+def _chain(fn: Callable, iters: int, digest=None) -> Callable:
+  """A jitted step of `iters` chained calls of `fn`; with `digest` (the
+  mesh), returning their _digest instead of every output."""
   import jax
   from jax import lax
 
@@ -123,7 +142,7 @@ def _chain(fn: Callable, iters: int) -> Callable:
       out = fn(*carry)
       carry, out = lax.optimization_barrier((carry, out))
       outs.append(out)
-    return outs
+    return outs if digest is None else _digest(outs, digest)
 
   return jax.jit(step)
 
@@ -140,10 +159,11 @@ def _time_chain(jstep: Callable, args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _time_step(fn: Callable, args, *, iters: int, repeats: int) -> float:
-  """Median seconds per call of `fn`, `iters` chained calls per jitted step."""
+def _time_step(fn: Callable, args, *, iters: int, repeats: int, digest=None) -> float:
+  """Median seconds per call of `fn`, `iters` chained calls per jitted step
+  (`digest`: _chain's)."""
   import jax
-  jstep = _chain(fn, iters)
+  jstep = _chain(fn, iters, digest)
   jax.block_until_ready(jstep(*args))  # compile + warm-up
   return _time_chain(jstep, args, repeats) / iters
 
@@ -244,7 +264,7 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
   return _gpu_events(*load_trace(trace_dir))
 
 
-def profile_step(fn, args, iters: int) -> tuple[list[dict], dict]:
+def profile_step(fn, args, iters: int, digest=None) -> tuple[list[dict], dict]:
   """(trace events, process id -> name) of a jax.profiler trace of
   _time_step(fn, args, iters, repeats=1), which runs its step three times
   (two warm-ups, one timed)."""
@@ -252,7 +272,7 @@ def profile_step(fn, args, iters: int) -> tuple[list[dict], dict]:
   import jax
   tdir = tempfile.mkdtemp(prefix="jax_ep_prof_")
   with jax.profiler.trace(tdir, create_perfetto_trace=True):
-    _time_step(fn, args, iters=iters, repeats=1)
+    _time_step(fn, args, iters=iters, repeats=1, digest=digest)
   return load_trace(tdir)
 
 

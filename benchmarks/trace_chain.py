@@ -3,7 +3,10 @@ Engram fetches, a chain of jax_ep layout calls and a chain of XLA
 elementwise ops (and Engram publishes), the wall time per call, the GPU's
 busy time per call, the median gap between the starts of consecutive
 kernels on the GPU, the wall time each call added to a chain twice as long
-and the kernels the profile saw per call (1.00: no call was dropped).
+and the kernels the profile saw per call (1.00: no call was dropped). Each
+in two forms: the step returns every call's output (`all`, the benchmarks'
+form), or one digest of them all (`digest`, bench_normal._digest: every
+call stays live and the step returns one buffer).
 
   python benchmarks/trace_chain.py [--out DIR]   (writes trace_chain.json)
 """
@@ -24,17 +27,21 @@ import bench_normal as bn  # noqa: E402
 ITERS = 50
 
 
-def _profile(fn, args, kernel: Optional[str]) -> dict:
-  wall = bn._time_step(fn, args, iters=ITERS, repeats=7)
+def _profile(fn, args, kernel: Optional[str], digest=None) -> dict:
+  wall = bn._time_step(fn, args, iters=ITERS, repeats=7, digest=digest)
   # The step's fixed cost drops out of the difference of two chain lengths;
-  # what each returned output costs does not.
-  twice = bn._time_step(fn, args, iters=2 * ITERS, repeats=7)
+  # what each returned output costs does not (unless `digest` returns one).
+  twice = bn._time_step(fn, args, iters=2 * ITERS, repeats=7, digest=digest)
   slope = (twice * 2 * ITERS - wall * ITERS) / ITERS
-  evs, names = bn.profile_step(fn, args, ITERS)
+  evs, names = bn.profile_step(fn, args, ITERS, digest=digest)
   t = bn.chain_times(bn._gpu_events(evs, names), kernel, 3 * ITERS)  # profile_step's three steps
   return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
               kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
               kernels_per_call=t["kernels_per_call"])
+
+
+def _both(fn, args, kernel: Optional[str], mesh) -> dict:
+  return dict(all=_profile(fn, args, kernel), digest=_profile(fn, args, kernel, digest=mesh))
 
 
 def _r(v) -> str:
@@ -66,23 +73,24 @@ def main(argv=None) -> int:
     token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))(table))
     fetch = smap(lambda tok, i: _ffi_engram.fetch_cuda(tok, i, rows_per_rank=VL, dim=D,
                                                        dtype=jnp.bfloat16, comm_id=cid))
-    out["engram_fetch"] = _profile(fetch, (token, idx), "EngramFetchKernel")
+    out["engram_fetch"] = _both(fetch, (token, idx), "EngramFetchKernel", mesh)
     publish = smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid))
-    out["engram_publish"] = _profile(publish, (table,), "memcpy")
+    out["engram_publish"] = _both(publish, (table,), "memcpy", mesh)
     topk = jax.device_put(np.stack([rng.permutation(256)[:8] for _ in range(4096)]).astype(np.int32),
                           NamedSharding(mesh, P("ep")))
     layout = smap(lambda i: jax_ep.get_dispatch_layout(i, num_experts=256, axis_name="ep",
                                                        backend="cuda"))
-    out["dispatch_layout"] = _profile(layout, (topk,), "Layout")
+    out["dispatch_layout"] = _both(layout, (topk,), "Layout", mesh)
     comm.check()
   x = jax.device_put(jnp.asarray(rng.standard_normal((T, E, D)), jnp.bfloat16),
                      NamedSharding(mesh, P("ep")))
-  out["xla_elementwise"] = _profile(smap(lambda v: v * 1.0001), (x,), None)
-  print(f"{'chain of ' + str(ITERS):18s} {'wall/call':>9s} {'added':>7s} "
+  out["xla_elementwise"] = _both(smap(lambda v: v * 1.0001), (x,), None, mesh)
+  print(f"{'chain of ' + str(ITERS):25s} {'wall/call':>9s} {'added':>7s} "
         f"{'busy':>7s} {'kernel':>7s} {'gap':>7s} {'k/call':>6s}  (us)")
-  for k, r in out.items():
-    print(f"{k:18s} {_r(r['wall_us']):>9s} {_r(r['slope_us']):>7s} {_r(r['gpu_busy_us']):>7s} "
-          f"{_r(r['kernel_us']):>7s} {_r(r['start_gap_us']):>7s} {r['kernels_per_call']:6.2f}")
+  for k, forms in out.items():
+    for form, r in forms.items():
+      print(f"{k + ' ' + form:25s} {_r(r['wall_us']):>9s} {_r(r['slope_us']):>7s} {_r(r['gpu_busy_us']):>7s} "
+            f"{_r(r['kernel_us']):>7s} {_r(r['start_gap_us']):>7s} {r['kernels_per_call']:6.2f}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "trace_chain.json")
   with open(path, "w") as f:

@@ -295,3 +295,31 @@ def test_bench_normal_counts_rows_per_rank_or_per_expert():
   idx = np.array([[0, 1, 2], [3, -1, -1], [0, 2, 3], [-1, -1, -1]])
   assert bn._bytes(idx, shape, 10) == ((2 * 10 + 1 * 10) / 2, (3 * 10 + 2 * 10) / 2)
   assert bn._bytes(idx, shape, 10, per_expert=True) == ((2 * 10 + 1 * 10) / 2, (4 * 10 + 3 * 10) / 2)
+
+
+def test_digest_chain_keeps_every_call_returns_one_array_and_adds_no_collective():
+  """bench_normal._digest: one output holding each rank's first element of
+  every call's every output, so no call is dead, with no collective."""
+  import numpy as np
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import jax_ep
+
+  bn = _bench_normal()
+  devs = jax.devices()[:4] if len(jax.devices()) >= 4 else jax.devices()
+  R = len(devs)
+  mesh = Mesh(np.array(devs), ("ep",))
+  fn = jax_ep.shard_map(lambda v: (v * 2.0, (v + 1.0).astype(jnp.bfloat16)), mesh)
+  x = jax.device_put(jnp.arange(R * 3 * 5, dtype=jnp.float32).reshape(R * 3, 5) + 1.0,
+                     NamedSharding(mesh, P("ep")))
+  iters = 3
+  step = bn._chain(fn, iters, digest=mesh)
+  hlo = step.lower(x).compile().as_text()
+  for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter"):
+    assert op not in hlo, op
+  got = np.asarray(step(x))
+  outs = bn._chain(fn, iters)(x)
+  leaves = jax.tree.leaves(outs)
+  assert got.shape == (R * iters * 2,)
+  want = np.concatenate([[np.asarray(l, np.float32).reshape(R, -1)[r, 0] for l in leaves] for r in range(R)])
+  np.testing.assert_array_equal(got, want)

@@ -25,7 +25,10 @@ returned and its inputs passed through lax.optimization_barrier
 (bench_normal._time_step), divided by `iters`. Beside them, for jax_ep's
 rows, from a profiler trace: `gpu_us`, the GPU's busy time per call (every
 kernel and copy), and for the fetch `kernel_us`, EngramFetchKernel alone
-(what DeepEP reports); wall minus busy is launch and host time.
+(what DeepEP reports); wall minus busy is launch and host time. And
+`digest_us`: the same 50-call chain returning one digest of every call's
+outputs (bench_normal.digest_times), without the cost of returning 50
+outputs; its profile's `digest_kernels_per_call` shows no call was dropped.
 
   python benchmarks/bench_engram.py [--quick] [--out DIR]
 
@@ -97,7 +100,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram, _native
-  from bench_normal import time_or_none, trace_us
+  from bench_normal import digest_times, time_or_none, trace_us
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -128,10 +131,14 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
     extra = ""
     if impl.startswith("jax_ep"):
       tr = trace_us(fn, args, kernel, shape.ranks)
-      results[-1].update(gpu_us=tr["gpu_us"], kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"])
+      dg = digest_times(fn, args, mesh, kernel, shape.ranks)
+      results[-1].update(gpu_us=tr["gpu_us"], kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"],
+                         kernels_per_call=tr["kernels_per_call"], **dg)
       extra = f"  gpu busy {_fmt(tr['gpu_us'], '6.1f')} us" + (
           f", {kernel} {_fmt(tr['kernel_us'], '6.1f')} us, {_fmt(tr['gap_us'], '6.1f')} us apart"
-          if kernel else "")
+          if kernel else "") + (
+          f"; digest chain {_fmt(dg['digest_us'], '6.1f')} us/call, busy {_fmt(dg['digest_gpu_us'], '6.1f')},"
+          f" {_fmt(dg['digest_kernels_per_call'], '4.2f')} kernels/call")
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   num_bytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=d,

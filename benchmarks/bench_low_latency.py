@@ -18,8 +18,10 @@ The reference and the composition write the whole [E_l, R * max_tokens, H]
 grid (470 MB per rank at this shape in BF16); the dedicated kernels write
 only the valid rows (rows past the counts are unspecified by contract). Times are medians of
 jitted steps of chained calls (bench_normal._time_step: 50 calls per step
-for the dedicated kernels, with the profiler's kernel time per call beside
-them; at most 8 for the others, whose grids are large); the L2 is not
+for the dedicated kernels, with the profiler's kernel time per call and
+`digest_us`, the chain returning one digest of its outputs
+(bench_normal.digest_times), beside them; at most 8 for the others, whose
+grids are large); the L2 is not
 flushed between calls. JAX_EP_BENCH_RANKS=1 runs it on one GPU (EP1: local
 rows only, launch and kernel overheads; no copy-engine ceiling).
 
@@ -73,10 +75,12 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
     if kernel is not None:
       tr = bench_normal.trace_us(fn, args, kernel, shape.ranks)
       rec.update(sms=ll_sms(shape), kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"],
-                 kernel_parts=tr["kernel_parts"])
+                 kernel_parts=tr["kernel_parts"], kernels_per_call=tr["kernels_per_call"],
+                 **bench_normal.digest_times(fn, args, mesh, kernel, shape.ranks, iters=chain))
     results.append(rec)
     extra = "" if kernel is None else (f"  kernel {rec['kernel_us']} us, {rec['chain_gap_us']} us "
-                                       f"apart in the chain, {rec['sms']} SMs")
+                                       f"apart in the chain, {rec['sms']} SMs; digest chain "
+                                       f"{rec['digest_us']} us/call, {rec['digest_kernels_per_call']} kernels/call")
     print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4

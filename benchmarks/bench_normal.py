@@ -317,6 +317,25 @@ def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> di
   return chain_times(_gpu_events(evs, names), kernel, 3 * iters * ranks)
 
 
+def digest_times(fn, args, mesh, kernel: Optional[str], ranks: int, iters: int = 50) -> dict:
+  """The same chain returning one _digest of its outputs instead of all of
+  them: `digest_us`, wall µs per call (no per-output return cost), and
+  from its profile `digest_gpu_us` (busy time per call) and
+  `digest_kernels_per_call` (of `kernel`; below 1: calls were dropped, and
+  a busy time below the every-output chain's: XLA code around the kernel
+  shrank to the digested elements). All None when it fails."""
+  out = dict(digest_us=None, digest_gpu_us=None, digest_kernels_per_call=None)
+  try:
+    out["digest_us"] = _time_step(fn, args, iters=iters, repeats=7, digest=mesh) * 1e6
+    evs, names = profile_step(fn, args, iters, digest=mesh)
+  except Exception as e:  # noqa: BLE001 - the digest must not hide the timings
+    print(f"  digest {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return out
+  tr = chain_times(_gpu_events(evs, names), kernel, 3 * iters * ranks)
+  out.update(digest_gpu_us=tr["gpu_us"], digest_kernels_per_call=tr["kernels_per_call"])
+  return out
+
+
 def simple_args(doc: str, argv=None) -> argparse.Namespace:
   """--out / --quick, the options of the benchmark scripts that time one shape."""
   ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

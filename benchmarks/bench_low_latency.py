@@ -78,9 +78,11 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
                  kernel_parts=tr["kernel_parts"], kernels_per_call=tr["kernels_per_call"],
                  **bench_normal.digest_times(fn, args, mesh, kernel, shape.ranks, iters=chain))
     results.append(rec)
-    extra = "" if kernel is None else (f"  kernel {rec['kernel_us']} us, {rec['chain_gap_us']} us "
+    f1 = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    extra = "" if kernel is None else (f"  kernel {f1(rec['kernel_us'])} us, {f1(rec['chain_gap_us'])} us "
                                        f"apart in the chain, {rec['sms']} SMs; digest chain "
-                                       f"{rec['digest_us']} us/call, {rec['digest_kernels_per_call']} kernels/call")
+                                       f"{f1(rec['digest_us'])} us/call, "
+                                       f"{f1(rec['digest_kernels_per_call'], '.2f')} kernels/call")
     print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4

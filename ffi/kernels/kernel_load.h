@@ -24,7 +24,8 @@ inline cudaError_t LoadEach(Kernels... kernels) {
 }
 
 // One per kernel file, next to the code that picks among its variants:
-// every variant a launcher can pick must be listed there.
+// every variant a launcher can pick must be listed there
+// (tests/test_kernel_load.py checks the names and written-out instances).
 cudaError_t LoadLayoutKernels();       // layout.cu
 cudaError_t LoadDispatchKernels();     // dispatch.cu
 cudaError_t LoadCombineKernels();      // combine.cu

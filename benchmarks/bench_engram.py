@@ -100,7 +100,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram, _native
-  from bench_normal import digest_times, time_or_none, trace_us
+  from bench_normal import digest_times, fmt, time_or_none, trace_us
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -134,11 +134,11 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
       dg = digest_times(fn, args, mesh, kernel, shape.ranks)
       results[-1].update(gpu_us=tr["gpu_us"], kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"],
                          kernels_per_call=tr["kernels_per_call"], **dg)
-      extra = f"  gpu busy {_fmt(tr['gpu_us'], '6.1f')} us" + (
-          f", {kernel} {_fmt(tr['kernel_us'], '6.1f')} us, {_fmt(tr['gap_us'], '6.1f')} us apart"
+      extra = f"  gpu busy {fmt(tr['gpu_us'], '6.1f')} us" + (
+          f", {kernel} {fmt(tr['kernel_us'], '6.1f')} us, {fmt(tr['gap_us'], '6.1f')} us apart"
           if kernel else "") + (
-          f"; digest chain {_fmt(dg['digest_us'], '6.1f')} us/call, busy {_fmt(dg['digest_gpu_us'], '6.1f')},"
-          f" {_fmt(dg['digest_kernels_per_call'], '4.2f')} kernels/call")
+          f"; digest chain {fmt(dg['digest_us'], '6.1f')} us/call, busy {fmt(dg['digest_gpu_us'], '6.1f')},"
+          f" {fmt(dg['digest_kernels_per_call'], '4.2f')} kernels/call")
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   num_bytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=d,
@@ -236,13 +236,8 @@ def _large_fetch(shape: Shape, mesh, smap, token, cid: int, quick: bool) -> list
   return out
 
 
-def _fmt(v, spec: str) -> str:
-  """`v` formatted, or '-' where it was not measured (EP1 has no link)."""
-  return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(int(spec.split(".")[0]))
-
-
 def main(argv=None) -> int:
-  from bench_normal import measure_and_write, simple_args
+  from bench_normal import fmt, measure_and_write, simple_args
   args = simple_args(__doc__, argv)
   status, records, out = measure_and_write("bench_engram", "engram",
                                            lambda: run(Shape(), quick=args.quick), args.out)
@@ -254,7 +249,7 @@ def main(argv=None) -> int:
     if r["bench"] != "engram_fetch":
       continue
     print(f"{r['impl']:16s} {r['dtype']:5s} {r['time_us']:10.1f} {r['nvlink_gbps']:8.1f} "
-          f"{r['logical_gbps']:8.1f} {r['mrows_per_s']:9.1f} {_fmt(r['ratio_to_copy_engine'], '6.2f')}")
+          f"{r['logical_gbps']:8.1f} {r['mrows_per_s']:9.1f} {fmt(r['ratio_to_copy_engine'], '6.2f')}")
   print(f"json: {out}")
   return 0
 

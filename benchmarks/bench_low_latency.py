@@ -78,7 +78,7 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
                  kernel_parts=tr["kernel_parts"], kernels_per_call=tr["kernels_per_call"],
                  **bench_normal.digest_times(fn, args, mesh, kernel, shape.ranks, iters=chain))
     results.append(rec)
-    f1 = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    f1 = bench_normal.fmt
     extra = "" if kernel is None else (f"  kernel {f1(rec['kernel_us'])} us, {f1(rec['chain_gap_us'])} us "
                                        f"apart in the chain, {rec['sms']} SMs; digest chain "
                                        f"{f1(rec['digest_us'])} us/call, "

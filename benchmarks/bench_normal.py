@@ -132,11 +132,11 @@ def _chain(fn: Callable, iters: int, digest=None) -> Callable:
   from jax import lax
 
   def step(*a):
-    # Every call's output is returned: a step returning only the last one
-    # let XLA drop 49 of 50 Engram fetches, barrier or not (trace_chain,
-    # session 16: 0.02 kernels per call). No checksum either: reducing a
-    # sharded output would add a collective per call. The barrier makes each
-    # call's inputs look new, so XLA cannot merge the calls.
+    # Every call's output is returned, or a digest of them all: a step
+    # returning only the last one let XLA drop 49 of 50 Engram fetches,
+    # barrier or not (trace_chain, session 16: 0.02 kernels per call). No
+    # reduction across ranks: that would add a collective. The barrier makes
+    # each call's inputs look new, so XLA cannot merge the calls.
     carry, outs = a, []
     for _ in range(iters):
       out = fn(*carry)
@@ -306,14 +306,15 @@ def chain_times(gpu_evs: list[dict], kernel: Optional[str], calls: int) -> dict:
   return out
 
 
-def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50) -> dict:
+def trace_us(fn, args, kernel: Optional[str], ranks: int, iters: int = 50, digest=None) -> dict:
   """chain_times per call and per rank of a profiled `iters`-call step (each
-  rank's GPU runs every call once); all None when the trace cannot be read."""
+  rank's GPU runs every call once; `digest`: _chain's); all None when the
+  trace cannot be read."""
   try:
-    evs, names = profile_step(fn, args, iters)
+    evs, names = profile_step(fn, args, iters, digest=digest)
   except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
     print(f"  profile {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return chain_times([], kernel, 1)
+    return dict(chain_times([], kernel, 1), kernels_per_call=None)
   return chain_times(_gpu_events(evs, names), kernel, 3 * iters * ranks)
 
 
@@ -327,13 +328,18 @@ def digest_times(fn, args, mesh, kernel: Optional[str], ranks: int, iters: int =
   out = dict(digest_us=None, digest_gpu_us=None, digest_kernels_per_call=None)
   try:
     out["digest_us"] = _time_step(fn, args, iters=iters, repeats=7, digest=mesh) * 1e6
-    evs, names = profile_step(fn, args, iters, digest=mesh)
   except Exception as e:  # noqa: BLE001 - the digest must not hide the timings
     print(f"  digest {kernel}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return out
-  tr = chain_times(_gpu_events(evs, names), kernel, 3 * iters * ranks)
+  tr = trace_us(fn, args, kernel, ranks, iters, digest=mesh)
   out.update(digest_gpu_us=tr["gpu_us"], digest_kernels_per_call=tr["kernels_per_call"])
   return out
+
+
+def fmt(v, spec: str = ".1f") -> str:
+  """`v` formatted, or '-' (padded to the spec's width) where it was not
+  measured."""
+  return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(int(spec.split(".")[0] or 0))
 
 
 def simple_args(doc: str, argv=None) -> argparse.Namespace:

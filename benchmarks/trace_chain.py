@@ -33,8 +33,7 @@ def _profile(fn, args, kernel: Optional[str], digest=None) -> dict:
   # what each returned output costs does not (unless `digest` returns one).
   twice = bn._time_step(fn, args, iters=2 * ITERS, repeats=7, digest=digest)
   slope = (twice * 2 * ITERS - wall * ITERS) / ITERS
-  evs, names = bn.profile_step(fn, args, ITERS, digest=digest)
-  t = bn.chain_times(bn._gpu_events(evs, names), kernel, 3 * ITERS)  # profile_step's three steps
+  t = bn.trace_us(fn, args, kernel, 1, ITERS, digest=digest)
   return dict(wall_us=wall * 1e6, slope_us=slope * 1e6, gpu_busy_us=t["gpu_us"],
               kernel_us=t["kernel_us"], start_gap_us=t["gap_us"],
               kernels_per_call=t["kernels_per_call"])
@@ -42,10 +41,6 @@ def _profile(fn, args, kernel: Optional[str], digest=None) -> dict:
 
 def _both(fn, args, kernel: Optional[str], mesh) -> dict:
   return dict(all=_profile(fn, args, kernel), digest=_profile(fn, args, kernel, digest=mesh))
-
-
-def _r(v) -> str:
-  return "-" if v is None else f"{v:.1f}"
 
 
 def main(argv=None) -> int:
@@ -89,8 +84,8 @@ def main(argv=None) -> int:
         f"{'busy':>7s} {'kernel':>7s} {'gap':>7s} {'k/call':>6s}  (us)")
   for k, forms in out.items():
     for form, r in forms.items():
-      print(f"{k + ' ' + form:25s} {_r(r['wall_us']):>9s} {_r(r['slope_us']):>7s} {_r(r['gpu_busy_us']):>7s} "
-            f"{_r(r['kernel_us']):>7s} {_r(r['start_gap_us']):>7s} {r['kernels_per_call']:6.2f}")
+      print(f"{k + ' ' + form:25s} {bn.fmt(r['wall_us']):>9s} {bn.fmt(r['slope_us']):>7s} {bn.fmt(r['gpu_busy_us']):>7s} "
+            f"{bn.fmt(r['kernel_us']):>7s} {bn.fmt(r['start_gap_us']):>7s} {bn.fmt(r['kernels_per_call'], '6.2f')}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "trace_chain.json")
   with open(path, "w") as f:

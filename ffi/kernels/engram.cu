@@ -95,32 +95,48 @@ __global__ void __launch_bounds__(kFetchThreads)
     const unsigned long long v = a.version == nullptr ? 0ull : *a.version;
     stale = v == 0 || static_cast<unsigned long long>(static_cast<uint32_t>(__ldg(a.token))) != v;
   }
-  if (stale && blockIdx.x == 0 && threadIdx.x == 0) {
-    report_error(p, Op::kEngramFetch, Cause::kStalePublication);
-  }
   bool bad = false;
+  // V = rows_per_rank * R <= 2^31 (the handler checks): 32-bit row math.
+  const uint32_t rpr = static_cast<uint32_t>(a.rows_per_rank);
+  const uint32_t V32 = static_cast<uint32_t>(V);
   if (kVec) {
     uint4* out = static_cast<uint4*>(a.out);
     for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < total;
          base += stride * kFetchUnroll) {
+      // Every index load of the pass first, then every row load: a pass
+      // waits for one round trip of each rather than kFetchUnroll of them
+      // in a row (each row load depends on its index). Past the end a
+      // thread reads row 0's index (num_rows >= 1) and ignores it.
+      int32_t idx[kFetchUnroll];
+      uint32_t row[kFetchUnroll];
+#pragma unroll
+      for (int u = 0; u < kFetchUnroll; ++u) {
+        const uint32_t q = base + u * stride;
+        row[u] = q < total ? q / vpr : 0u;
+        idx[u] = __ldg(a.indices + row[u]);
+      }
       uint4 v[kFetchUnroll];
 #pragma unroll
       for (int u = 0; u < kFetchUnroll; ++u) {
         const uint32_t q = base + u * stride;
         v[u] = make_uint4(0, 0, 0, 0);
-        if (q < total) {
-          const uint32_t row = q / vpr;
-          const uint32_t chunk = q - row * vpr;
-          const int32_t idx = stale ? -1 : __ldg(a.indices + row);
-          if (idx >= 0 && static_cast<uint64_t>(idx) < V) {
-            const int owner = static_cast<int>(static_cast<uint64_t>(idx) / a.rows_per_rank);
-            const uint64_t local = static_cast<uint64_t>(idx) - static_cast<uint64_t>(owner) * a.rows_per_rank;
-            const uint4* src = reinterpret_cast<const uint4*>(s_base[owner] + a.table_off +
-                                                             local * a.row_bytes) + chunk;
-            v[u] = LdNcNa(src);
-          } else if (idx != -1) {
-            bad = true;
+        // A stale publication reads nothing (the version check's loads
+        // overlap the index loads above).
+        const int32_t id = stale || q >= total ? -1 : idx[u];
+        if (id >= 0 && static_cast<uint32_t>(id) < V32) {
+          // The owner by comparisons (R <= kMaxRanks), not a division.
+          uint32_t owner = 0;
+#pragma unroll
+          for (int r = 1; r < kMaxRanks; ++r) {
+            owner += (r < p.nranks && static_cast<uint32_t>(id) >= r * rpr) ? 1u : 0u;
           }
+          const uint32_t local = static_cast<uint32_t>(id) - owner * rpr;
+          const uint32_t chunk = q - row[u] * vpr;
+          const uint4* src = reinterpret_cast<const uint4*>(s_base[owner] + a.table_off +
+                                                           static_cast<size_t>(local) * a.row_bytes) + chunk;
+          v[u] = LdNcNa(src);
+        } else if (id != -1) {
+          bad = true;
         }
       }
 #pragma unroll
@@ -149,6 +165,11 @@ __global__ void __launch_bounds__(kFetchThreads)
     }
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) report_error(p, Op::kEngramFetch, Cause::kBadIndex);
+  // Reported last, so that no branch on `stale` holds the loads above
+  // behind the version check's two loads.
+  if (stale && blockIdx.x == 0 && threadIdx.x == 0) {
+    report_error(p, Op::kEngramFetch, Cause::kStalePublication);
+  }
 }
 
 }  // namespace

@@ -193,29 +193,6 @@ struct RowSlices {
   }
 };
 
-// A warp copies vectors [v0, v1) of a row, kU 16-byte loads in flight per
-// lane before their stores: a decode slice is a few vectors per lane, so
-// 8 makes it one or two round trips instead of kUnroll's (4) two to seven.
-// kFromWindow: the source is window memory that peers write (L2 path);
-// else a read-only input.
-template <int kU, bool kFromWindow>
-__device__ __forceinline__ void CopySlice(uint4* dst, const uint4* src, int v0, int v1, int lane) {
-  for (int base = v0; base < v1; base += 32 * kU) {
-    uint4 v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < v1) v[u] = kFromWindow ? LdCg(src + idx) : LdNcNa(src + idx);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < v1) StNa(dst + idx, v[u]);
-    }
-  }
-}
-constexpr int kLlCopyUnroll = 8;
-
 // ---------------------------------------------------------------- dispatch
 
 template <LlPart kPart>
@@ -397,9 +374,17 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       const size_t cell = (static_cast<size_t>(l) * R + s) * M + (i - s_off[s]);
       const char* src = p.base[p.rank] + L.DispRows(b) + cell * L.row_bytes;
       const size_t out_row = static_cast<size_t>(l) * m_all + i;
-      CopySlice<kLlCopyUnroll, true>(
-          reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * rvec * 16),
-          reinterpret_cast<const uint4*>(src), v0, v1, lane);
+      const uint4* sv = reinterpret_cast<const uint4*>(src);
+      uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * rvec * 16);
+      for (int base = v0; base < v1; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          if (idx < v1) v[u] = LdCg(sv + idx);
+        }
+        StoreChunk(dv, base, v1, lane, v);
+      }
       if (a.fp8 && part == 0) {
         const float* ss = reinterpret_cast<const float*>(src + H);
         float* ds = a.recv_scales + out_row * (H / 128);
@@ -433,26 +418,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     WriteToken<kPart>(a.token_out, seq);
 
     // 1. Every valid expert-side row back to its token's (t, k) slot in the
-    // source rank's window, in column slices (RowSlices over the T * K rows
-    // a rank holds on average), one warp each. Tasks (l, i, slice) are dealt
-    // with the slice fastest, then l, so the few rows of each expert
-    // (decode: ~4-8) spread over the grid; they stop at the largest count
-    // (the CTA's first pass over recv_count), so a warp does not walk the
-    // E_l * R * M grid of rows mostly past the counts.
-    __shared__ int s_max_rows;
-    if (threadIdx.x == 0) s_max_rows = 0;
-    __syncthreads();
-    int most = 0;
-    for (int l = threadIdx.x; l < E_l; l += blockDim.x) most = max(most, __ldg(a.recv_count + l));
-    if (most > 0) atomicMax(&s_max_rows, min(most, m_all));
-    __syncthreads();
+    // source rank's window. Tasks (l, i) are dealt to warps with l fastest, so
+    // the few rows of each expert (decode: ~8) spread over the grid.
     bool bad = false;
-    const RowSlices ss(TK, nw, nvec);
-    const long long tasks = static_cast<long long>(s_max_rows) * E_l * ss.per_row;
-    for (long long task = gw; task < tasks; task += nw) {
-      const int part = static_cast<int>(task % ss.per_row);
-      const long long row = task / ss.per_row;
-      const int l = static_cast<int>(row % E_l), i = static_cast<int>(row / E_l);
+    for (int task = gw; task < E_l * m_all; task += nw) {
+      const int l = task % E_l, i = task / E_l;
       if (i >= __ldg(a.recv_count + l)) continue;
       const int32_t entry = __ldg(a.src_entry + static_cast<size_t>(l) * m_all + i);
       if (entry < 0 || entry >= R * TK) {
@@ -460,12 +430,18 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         continue;
       }
       const int s = entry / TK, q = entry - s * TK;
-      const int v0 = part * ss.width, v1 = min(nvec, v0 + ss.width);
-      CopySlice<kLlCopyUnroll, false>(
-          reinterpret_cast<uint4*>(p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes),
-          reinterpret_cast<const uint4*>(static_cast<const char*>(a.y) +
-                                         (static_cast<size_t>(l) * m_all + i) * H * 2),
-          v0, v1, lane);
+      uint4* dst = reinterpret_cast<uint4*>(p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes);
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.y) +
+                                                        (static_cast<size_t>(l) * m_all + i) * H * 2);
+      for (int base = 0; base < nvec; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int idx = base + u * 32 + lane;
+          v[u] = idx < nvec ? LdNcNa(src + idx) : make_uint4(0, 0, 0, 0);
+        }
+        StoreChunk(dst, base, nvec, lane, v);
+      }
     }
     if (__any_sync(kFullMask, bad) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
 

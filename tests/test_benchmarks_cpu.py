@@ -30,6 +30,12 @@ def test_benchmark_exits_2_without_gpus(name, tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="would run the kernels")
+@pytest.mark.parametrize("op", ["ll_dispatch", "ll_dispatch_fp8", "ll_combine", "engram_fetch"])
+def test_profile_small_exits_2_without_gpus(op):
+  assert _bench("profile_small").main(["--op", op, "--calls", "1"]) == 2
+
+
 def test_moe_bench_variants_agree_on_cpu():
   """bench_moe's layers (jax_ep on the reference backend, and the JAX-native
   dense all_to_all layer) give the same loss and gradients at a capacity with

@@ -75,6 +75,15 @@ def _tables(shape: Shape, mesh):
   return make(jax.random.PRNGKey(0))
 
 
+def window_bytes(shape: Shape) -> int:
+  """The Communicator's num_bytes: one bf16 table shard, plus room for the
+  FP8 one and the runtime header."""
+  import jax.numpy as jnp
+  from jax_ep import _ffi_engram
+  return _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=shape.dim,
+                                         dtype=jnp.bfloat16) + (8 << 20)
+
+
 def _indices(shape: Shape) -> np.ndarray:
   rng = np.random.default_rng(0)
   v = shape.ranks * shape.rows_per_rank
@@ -141,9 +150,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
           f" {fmt(dg['digest_kernels_per_call'], '4.2f')} kernels/call")
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
-  num_bytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=d,
-                                              dtype=jnp.bfloat16) + (8 << 20)
-  comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=num_bytes)
+  comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=window_bytes(shape))
   cid = comm.comm_id
   try:
     for dtype, tab, row_bytes in (("bf16", table, d * 2), ("fp8", q, d)):

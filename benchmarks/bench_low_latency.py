@@ -86,15 +86,7 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
     print(f"  {name:20s} {impl:22s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4
-  from jax_ep import _ffi_low_latency
-  from jax_ep._ffi_dispatch import window_bytes_needed
-  # The composition over the normal kernels uses the window from its base;
-  # the dedicated kernels' area goes above it (reserved).
-  reserved = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
-                                              hidden=h, topk=shape.topk, num_experts=e))
-  nbytes = _ffi_low_latency.window_bytes_needed(
-      num_ranks=shape.ranks, max_tokens=MAX_TOKENS, hidden=h, topk=shape.topk, num_experts=e,
-      reserved_bytes=reserved)
+  reserved, nbytes = windows(shape)
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
     _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row)
@@ -178,6 +170,21 @@ def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row
       continue
     bench("low_latency_combine", impl, "bf16", smap(f), (y, topk_idx, w, o.handle), bf16_row,
           chain=KERNEL_CHAIN, kernel="LlCombineKernel")
+
+
+def windows(shape: bench_normal.Shape) -> tuple[int, int]:
+  """(reserved_bytes, the Communicator's num_bytes) at this shape: the
+  composition over the normal kernels uses the window from its base, the
+  dedicated kernels' area goes above it (reserved)."""
+  from jax_ep import _ffi_low_latency
+  from jax_ep._ffi_dispatch import window_bytes_needed
+  reserved = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
+                                              hidden=shape.hidden, topk=shape.topk,
+                                              num_experts=shape.experts))
+  nbytes = _ffi_low_latency.window_bytes_needed(
+      num_ranks=shape.ranks, max_tokens=MAX_TOKENS, hidden=shape.hidden, topk=shape.topk,
+      num_experts=shape.experts, reserved_bytes=reserved)
+  return reserved, nbytes
 
 
 def ll_sms(shape: bench_normal.Shape) -> int:

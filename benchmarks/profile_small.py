@@ -45,9 +45,7 @@ def main(argv=None) -> int:
     smap = functools.partial(jax_ep.shard_map, mesh=mesh)
     table, _, _ = bench_engram._tables(shape, mesh)
     idx = jax.device_put(bench_engram._indices(shape), NamedSharding(mesh, P("ep")))
-    nbytes = _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=shape.dim,
-                                             dtype=jnp.bfloat16) + (8 << 20)
-    with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes) as comm:
+    with jax_ep.Communicator.create(mesh, "ep", num_bytes=bench_engram.window_bytes(shape)) as comm:
       tok = jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=comm.comm_id)))(table)
       f = jax.jit(smap(lambda t, i: _ffi_engram.fetch_cuda(
           t, i, rows_per_rank=shape.rows_per_rank, dim=shape.dim, dtype=jnp.bfloat16,
@@ -57,19 +55,13 @@ def main(argv=None) -> int:
     return 0
 
   import bench_low_latency as bll
-  from jax_ep import _ffi_low_latency
-  from jax_ep._ffi_dispatch import window_bytes_needed
   from jax_ep.ops import low_latency as ll
   shape = bench_normal.Shape(tokens=bll.MAX_TOKENS)
   mesh = Mesh(np.array(jax.devices()[:shape.ranks]), ("ep",))
   smap = functools.partial(jax_ep.shard_map, mesh=mesh)
   x, topk_idx, w = bench_normal._routing(jax.random.PRNGKey(1), shape)
   kw = dict(num_experts=shape.experts, max_tokens=bll.MAX_TOKENS, axis_name="ep")
-  reserved = window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
-                                 hidden=shape.hidden, topk=shape.topk, num_experts=shape.experts)
-  nbytes = _ffi_low_latency.window_bytes_needed(
-      num_ranks=shape.ranks, max_tokens=bll.MAX_TOKENS, hidden=shape.hidden, topk=shape.topk,
-      num_experts=shape.experts, reserved_bytes=reserved)
+  reserved, nbytes = bll.windows(shape)  # the benchmark's window, so the same layout
   with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes):
     fp8 = args.op == "ll_dispatch_fp8"
     d = jax.jit(smap(lambda x, i: ll.kernel_dispatch(x, i, fp8=fp8, reserved_bytes=reserved, **kw)))

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
   table = jax.device_put(jnp.asarray(rng.standard_normal((VL, D)), jnp.bfloat16),
                          NamedSharding(mesh, P("ep")))
   idx = jax.device_put(rng.integers(0, VL, (T, E)).astype(np.int32), NamedSharding(mesh, P("ep")))
-  nbytes = _ffi_engram.window_bytes_needed(rows_per_rank=VL, dim=D, dtype=jnp.bfloat16) + (8 << 20)
+  import bench_engram
+  nbytes = bench_engram.window_bytes(bench_engram.Shape(rows_per_rank=VL, dim=D))
   out = {}
   with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes) as comm:
     cid = comm.comm_id

@@ -115,10 +115,11 @@ CASES = [
     (128, 512, 8, 64, "bfloat16", "random"),
     (127, 2048, 8, 256, "fp8_pair", "random"),
     (4096, 7168, 8, 256, "fp8_pair", "random"),
-    # Issue 12's matrix corners at the design shape: every token to all 8
-    # experts (FP8), and 64 experts
+    # The full matrix's corners at the design shape: every token to all 8
+    # experts (FP8), and 64 experts (bf16 and FP8; both layouts, as every case)
     (4096, 7168, 8, 8, "fp8_pair", "random"),
     (4096, 7168, 8, 64, "bfloat16", "random"),
+    (4096, 7168, 8, 64, "fp8_pair", "random"),
     # Expert-layout prep blocks: one expert each (E <= the SMs), T * K a
     # multiple of 4 and not (both load paths); more experts than an H200's
     # 132 SMs, so blocks take 3 and the last one 2 (at 1 or 2 ranks).
@@ -131,8 +132,8 @@ CASES = [
     (5000, 128, 8, 64, "bfloat16", "random"),
     (127, 256, 3, 266, "bfloat16", "random"),
 ]
-# The issue's full product T x H x K x E (bf16 and FP8 pairs, random routing
-# with -1 ids) on top: 210 more cases (420 tests with both layouts), many
+# The full product T x H x K x E (bf16 and FP8 pairs, random routing
+# with -1 ids) on top: 207 more cases (414 tests with both layouts), many
 # minutes of compiling, so opt-in (not run yet: no device time was left):
 #   JAX_EP_FULL_MATRIX=1 pytest -m gpu tests/test_gpu_dispatch.py -k bitwise
 if os.environ.get("JAX_EP_FULL_MATRIX") == "1":

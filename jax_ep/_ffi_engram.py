@@ -16,8 +16,8 @@ Targets:
 They run inside `shard_map` on one rank's shard. User-facing checks live in
 `jax_ep.ops.engram`; here only what the kernels rely on.
 
-NOT validated on a GPU yet: `jax_ep.ops.engram` uses these only with an
-explicit backend="cuda".
+`jax_ep.ops.engram` picks them by default (backend=None) where they can run;
+their GPU tests are in tests/test_gpu_engram.py.
 """
 from __future__ import annotations
 

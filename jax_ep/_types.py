@@ -104,3 +104,6 @@ class PublishedTable:
   # Window bytes between this table's end and the window's end: the tables
   # published above it (ffi/kernels/engram_layout.h).
   table_end_offset: int = dataclasses.field(metadata=dict(static=True), default=0)
+  # The Communicator whose window holds the rows (kernels' publications;
+  # -1 for the reference's): a fetch after it was closed or replaced raises.
+  comm_id: int = dataclasses.field(metadata=dict(static=True), default=-1)

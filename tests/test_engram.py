@@ -296,3 +296,21 @@ def test_buffer_size_hint_makes_room_for_stacked_engram_tables():
     # The dispatch area, plus the two tables as engram_publish stacks them.
     need = base + (524288 * 256 + 256) + (-(-1000 * 256 // 256) * 256 + 256)
     assert need <= hint < need + (2 << 20) and hint % (2 << 20) == 0
+
+
+def test_a_kernels_publication_without_its_communicator_raises_naming_it():
+    """A PublishedTable the kernels made lives in one Communicator's window:
+    fetching from it once no Communicator of that id is open on the axis
+    (closed, or replaced by another) is a clear error at trace time, never
+    a read of freed or foreign memory and never a silent switch to the
+    reference."""
+    from jax_ep._types import PublishedTable
+
+    table = jnp.zeros((8, 16), jnp.bfloat16)
+    p = PublishedTable(table=table, scales=None, token=jnp.ones((1,), jnp.int32),
+                       axis_name="ep", backend="auto", comm_id=7)
+    idx = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"Communicator 7's window .* closed or replaced"):
+        jax_ep.engram_fetch(p, idx)
+    with pytest.raises(ValueError, match="publish it again"):
+        jax_ep.engram_fetch_start(p, idx)

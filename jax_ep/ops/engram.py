@@ -15,8 +15,10 @@ the axis, the table's rows suit the kernel and the window holds it (with
 `reserved_bytes` below it and the tables `above`); otherwise the reference
 (pure JAX request/response all_to_all). "reference" and "cuda" force one;
 "cuda" raises where auto would fall back. The CUDA path's GPU tests (fused
-and published, tables side by side, FP8, bad indices) passed at EP1 and EP2
-(benchmarks/RESULTS.md). The table gradient sums the row cotangents into
+and published, tables side by side, FP8, bad indices) passed at EP1 on one
+H200 and on virtual ranks; the fused publish + fetch also at EP2 (session 2),
+the published-table path not yet (benchmarks/RESULTS.md). A fetch from a
+publication whose Communicator was closed or replaced raises. The table gradient sums the row cotangents into
 the owner's shard in (source rank, token, slot) order: the reference's
 scatter on CPU, a per-row sum kernel on the kernels' path (XLA's GPU
 scatter-add has no fixed order).
@@ -156,8 +158,10 @@ def engram_publish(table: jax.Array, scales: Optional[jax.Array] = None, *,
                                               table_end_offset=end)
 
   token = _backend.run(_run_kind(kind), axis_name, reference, cuda, table)
+  comm = _backend.cuda_comm(axis_name)
   return PublishedTable(table=table, scales=scales, token=token, axis_name=axis_name,
-                        backend=kind, reserved_bytes=int(reserved_bytes), table_end_offset=end)
+                        backend=kind, reserved_bytes=int(reserved_bytes), table_end_offset=end,
+                        comm_id=-1 if comm is None else comm.comm_id)
 
 
 def _published_rows(p: PublishedTable, indices: jax.Array) -> jax.Array:
@@ -202,6 +206,16 @@ def _check_published(p: PublishedTable, indices: jax.Array) -> None:
     raise ValueError(f"indices must be int32 [T, e], got {indices.dtype}{list(indices.shape)}")
   if p.backend != "reference" and p.token is None:
     raise ValueError("this PublishedTable has no publish token; make it with engram_publish")
+  if p.backend != "reference":
+    # Its rows sit in one Communicator's window; once that one is closed or
+    # replaced, the rows are gone (or belong to someone else).
+    comm = _backend.cuda_comm(p.axis_name)
+    if comm is None or comm.comm_id != p.comm_id:
+      now = "no open Communicator" if comm is None else f"Communicator {comm.comm_id}"
+      raise ValueError(
+          f"engram_fetch: this table was published into Communicator {p.comm_id}'s window on "
+          f"axis {p.axis_name!r}, which has been closed or replaced since (the axis now has "
+          f"{now}); publish it again with engram_publish")
 
 
 def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",

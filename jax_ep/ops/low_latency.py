@@ -28,8 +28,9 @@ from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle, Pending
 from jax_ep.ops import _backend
 from jax_ep.ops import _low_latency_normal as _via_normal
 
-# Written, compiled and CPU-lowered, not yet run on a GPU (session 6):
-# backend="cuda" keeps the composition over the normal kernels until then.
+# The dedicated kernels pass their GPU tests at EP1 and on virtual ranks, but
+# their cross-GPU protocol has not run over NVLink (docs/low_latency.md):
+# backend="cuda" keeps the composition over the normal kernels until it has.
 _KERNELS_VALIDATED = False
 
 

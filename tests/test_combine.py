@@ -3,13 +3,16 @@ accumulation in the fixed order (destination rank, local expert, k), checked
 exactly against a NumPy float32 loop in the same order."""
 from __future__ import annotations
 
+import functools
+import itertools
+
 import numpy as np
 import pytest
 
 import jax_ep
 import oracle
 from conftest import run_sharded
-from oracle import BF16, F32, assert_fixed_order_exact
+from oracle import BF16, F32, assert_fixed_order_exact, bits
 
 F16 = np.dtype(np.float16)
 
@@ -141,3 +144,112 @@ def test_combine_order_is_ascending_rank_where_f32_order_matters(layout):
     assert got.dtype == F32
     np.testing.assert_array_equal(got[0, 0], np.zeros(H, F32))
     assert np.float32(np.float32(-1e8) + np.float32(1e8)) + np.float32(1) == 1  # the other order
+
+
+# --------------------------------------------------------------------------- order-sensitive, weighted
+
+_BIG = np.float32(1e8)  # ulp 8: a 1 added to +-1e8 is lost
+
+
+@functools.lru_cache(maxsize=None)
+def _order_terms(n: int) -> np.ndarray:
+    """Terms v[p, c] (f32) of a token's n rows, p its row's place in the
+    contract's order, one column per check; zeros elsewhere.
+
+    - every pair 1 <= i < j < n: -1e8 at place 0, 1e8 at i, 1 at j. In the
+      order 0, i, j the large ones cancel first and the column sums to 1; an
+      order that adds j before i, or 0 after j, adds the 1 to a 1e8 (lost): 0.
+    - 1 at place 0, 1e8 at 1, -1e8 at 2: sums to 0 in order (the 1 is lost),
+      to 1 where 0 is added after both 1 and 2.
+    Together they tell the contract's order from every other one but the
+    swap of the first two rows, which no float sum can see (a + b == b + a).
+    """
+    cols = []
+    for i, j in itertools.combinations(range(1, n), 2):
+        c = np.zeros(n, np.float32)
+        c[0], c[i], c[j] = -_BIG, _BIG, 1
+        cols.append(c)
+    if n >= 3:
+        c = np.zeros(n, np.float32)
+        c[0], c[1], c[2] = 1, _BIG, -_BIG
+        cols.append(c)
+    return np.stack(cols, axis=1) if cols else np.zeros((n, 0), np.float32)
+
+
+def _f32_sum_in_order(v: np.ndarray, order) -> np.ndarray:
+    """v[p, c] summed over p in `order` (f32 adds); order [P, n] -> [P, c]."""
+    order = np.asarray(order)
+    acc = np.zeros((order.shape[0], v.shape[1]), np.float32)
+    for step in range(order.shape[1]):
+        acc = (acc + v[order[:, step]]).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 9])
+def test_order_terms_tell_every_other_order_apart(n):
+    """The premise of the test below, checked by brute force over all n! orders."""
+    v = _order_terms(n)
+    perms = np.array(list(itertools.permutations(range(n))), np.int8)
+    sums = _f32_sum_in_order(v, perms)
+    want = _f32_sum_in_order(v, [list(range(n))])[0]
+    same = (bits(sums) == bits(want)[None]).all(axis=1)
+    swap01 = [1, 0] + list(range(2, n))
+    allowed = {tuple(range(n)), tuple(swap01)}
+    assert {tuple(int(q) for q in p) for p in perms[same]} == allowed
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+@pytest.mark.parametrize("R", [4, 8])
+def test_weighted_combine_order_is_the_contracts_where_f32_order_matters(R, layout):
+    """Weighted float32 combine at R >= 4 with terms -1e8, 1e8, 1 (as
+    weight x row; powers-of-two weights, so every product is exact) placed
+    so that any summation order of a token's rows other than the contract's
+    (ascending rank of the row, then local expert) changes some column;
+    checked bitwise against tests/oracle.py and against the sums the
+    construction predicts."""
+    T = 6
+    E, K = 2 * R, R + 1
+    rng = np.random.default_rng(oracle.stable_seed("weighted-order", R, layout))
+    # Every token: one expert on every rank, the other expert of one rank
+    # too, in shuffled slots (slot order is not the contract's order);
+    # every third token loses one slot.
+    idx = np.full((R, T, K), -1, np.int32)
+    for s in range(R):
+        for t in range(T):
+            ids = [2 * j + int(rng.integers(2)) for j in range(R)]
+            j = int(rng.integers(R))
+            ids.append(2 * j + 1 - ids[j] % 2)
+            idx[s, t] = rng.permutation(ids)
+            if t % 3 == 2:
+                idx[s, t, int(rng.integers(K))] = -1
+    w = np.ones((R, T, K), np.float32)
+    x = np.ones((R, T, 8), F32)
+    exp_d = (oracle.dispatch_rank((x,), idx, w, E) if layout == "rank"
+             else oracle.dispatch_expert((x,), idx, w, E))
+    C = exp_d[0].payload[0].shape[0]
+    H = _order_terms(R + 1).shape[1]
+    rw = rng.choice(np.float32([0.25, 0.5, 2.0, 4.0]), size=(R, C)).astype(np.float32)
+    y = np.full((R, C, H), 3 * _BIG, F32)  # padding rows: never summed
+    rows = [d.rows for d in exp_d]
+    per_token: dict = {}
+    for r in range(R):
+        for row, info in enumerate(rows[r]):
+            if info is not None:
+                per_token.setdefault(info[:2], []).append((info[2], r, row))
+    want = np.zeros((R, T, H), F32)
+    ns = set()
+    for (s, t), lst in per_token.items():
+        lst.sort()
+        n = len(lst)
+        ns.add(n)
+        v = np.zeros((n, H), F32)
+        v[:, :_order_terms(n).shape[1]] = _order_terms(n)
+        for p, (_, r, row) in enumerate(lst):
+            y[r, row] = v[p] / rw[r, row]
+        want[s, t] = _f32_sum_in_order(v, [list(range(n))])[0]
+    assert min(ns) >= 3 and max(ns) == (R if layout == "rank" else R + 1)
+
+    got = _combine(R, E, T, x, idx, w, y, rw, layout=layout, weights_mode="row")
+    assert got.dtype == F32
+    assert_fixed_order_exact(got, lambda mode: oracle.combine(y, rows, rw, T, mode=mode))
+    np.testing.assert_array_equal(bits(got), bits(want))

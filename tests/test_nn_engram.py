@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ep.nn import Engram
-from jax_ep.nn.engram import causal_depthwise_conv, ngram_row_ids, sub_table_sizes
+from jax_ep.nn.engram import _MULTIPLIERS, causal_depthwise_conv, ngram_row_ids, sub_table_sizes
 
 B, S, H, VOCAB = 8, 12, 32, 50
 
@@ -129,3 +129,97 @@ def test_bad_arguments_are_named():
   model, h, ids = _setup()
   with pytest.raises(ValueError, match="token_ids"):
     model(h, ids[:, :3])
+
+
+def _numpy_layer(model, h, ids):
+  """The layer's math (module docstring) in float64 NumPy, independent of
+  the module's code: hash ids -> rows -> k, v -> gate -> conv -> residual."""
+  p = {n: np.asarray(getattr(model, n)[...], np.float64)
+       for n in ("table", "w_k", "w_v", "norm_h", "norm_k", "norm_u", "conv")}
+  tok = np.asarray(ids).astype(np.int64)
+  b, s = tok.shape
+  cols, offset, c = [], 0, 0
+  for n in model.orders:
+    for j in range(model.heads):
+      col = np.full((b, s), -1, np.int64)
+      for t in range(n - 1, s):
+        gram = tok[:, t - n + 1:t + 1][:, ::-1]        # token at t - i for i = 0 .. n-1
+        hv = np.zeros(b, np.uint64)
+        for i in range(n):
+          mult = np.uint64(_MULTIPLIERS[(j * 5 + i) % len(_MULTIPLIERS)])
+          hv = ((hv ^ gram[:, i].astype(np.uint64)) * mult) & np.uint64(0xFFFFFFFF)
+        hv ^= hv >> np.uint64(15)
+        ok = np.all(gram >= 0, axis=1)
+        col[:, t] = np.where(ok, (hv % np.uint64(model.sizes[c])).astype(np.int64) + offset, -1)
+      cols.append(col)
+      offset += model.sizes[c]
+      c += 1
+  idx = np.stack(cols, axis=-1)
+  rows = np.where(idx[..., None] >= 0, p["table"][np.maximum(idx, 0)], 0.0)
+  m = rows.reshape(b, s, -1)
+  k, v = m @ p["w_k"], m @ p["w_v"]
+
+  def rms(x, scale):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+  hh = np.asarray(h, np.float64)
+  gate = np.sum(rms(hh, p["norm_h"]) * rms(k, p["norm_k"]), -1, keepdims=True) / np.sqrt(H)
+  u = v / (1 + np.exp(-gate))
+  un = rms(u, p["norm_u"])
+  conv = np.zeros_like(un)
+  for t in range(s):
+    for j in range(p["conv"].shape[0]):
+      if t - j >= 0:
+        conv[:, t] += p["conv"][j] * un[:, t - j]
+  return hh + conv / (1 + np.exp(-conv)) + u, idx
+
+
+def test_layer_equals_an_independent_numpy_oracle():
+  """Float32 layer against the float64 NumPy oracle of its math, hash
+  included, with a non-zero convolution so every term counts."""
+  model, h, ids = _setup(seed=6, dtype=jnp.float32)
+  model.conv[...] = jnp.asarray(np.random.default_rng(7).standard_normal(model.conv.shape),
+                                jnp.float32)
+  want, want_idx = _numpy_layer(model, h, ids)
+  np.testing.assert_array_equal(np.asarray(model.row_ids(ids)), want_idx)
+  got = np.asarray(nnx.jit(lambda m, h, i: m(h, i))(model, h, ids), np.float64)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_published_once_equals_publishing_each_call_and_trains_the_same():
+  """publish() then calls with it: the same outputs and gradients as the
+  layer publishing by itself; and a training loop in the order fetch ->
+  loss -> grad -> optax update -> publish gives the same losses as
+  publishing inside every step."""
+  model, h, ids = _setup(seed=8)
+  target = jnp.zeros_like(h)
+  pub = nnx.jit(lambda m: m.publish())(model)
+  a = nnx.jit(lambda m, h, i: m(h, i))(model, h, ids)
+  b = nnx.jit(lambda m, h, i, p: m(h, i, p))(model, h, ids, pub)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ga = nnx.jit(nnx.grad(lambda m: jnp.mean((m(h, ids) - target) ** 2)))(model)
+  gb = nnx.jit(nnx.grad(lambda m, p: jnp.mean((m(h, ids, p) - target) ** 2)))(model, pub)
+  for name in ("table", "w_k", "w_v", "conv"):
+    np.testing.assert_array_equal(np.asarray(getattr(ga, name)[...]),
+                                  np.asarray(getattr(gb, name)[...]), err_msg=name)
+
+  def losses(carry_publication: bool):
+    m, _, _ = _setup(seed=8)
+    opt = nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(m, opt, p):
+      loss, gr = nnx.value_and_grad(lambda m: jnp.mean((m(h, ids, p) - target) ** 2))(m)
+      opt.update(m, gr)
+      return loss, (m.publish() if carry_publication else None)
+
+    p = nnx.jit(lambda m: m.publish())(m) if carry_publication else None
+    out = []
+    for _ in range(5):
+      loss, p = step(m, opt, p)
+      out.append(float(loss))
+    return out
+
+  assert losses(True) == losses(False)
+  with pytest.raises(ValueError, match="published"):
+    model(h, ids, published=pub.table)

@@ -15,14 +15,18 @@ concatenated:
     y     = SiLU(CausalDepthwiseConv(RMSNorm(u))) + u
     out   = h + y
 
-The table is published once per call (engram_publish: on GPU the shard is
-copied into the Communicator's window, then the rows are NVLink loads from
-their owners; elsewhere the reference all_to_all), so in training the table
-is published once per optimizer update. Its gradient flows to the owners'
-shards.
+Publishing (engram_publish: on GPU the shard is copied into the
+Communicator's window, then the rows are NVLink loads from their owners;
+elsewhere the reference all_to_all) is paid once per table update, not once
+per lookup: `published = layer.publish()` after each optimizer step (or once
+for inference), then `layer(h, token_ids, published)` any number of times.
+Called without `published`, the layer publishes its table itself first (one
+publish per call). Either way the gradient flows to the owners' shards of
+the layer's own table parameter.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional, Sequence
@@ -33,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ep import mesh as _mesh
+from jax_ep._types import PublishedTable
 from jax_ep.ops.engram import engram_fetch, engram_publish
 
 # Odd 32-bit multipliers for the n-gram hash (one per (head, position in the
@@ -156,19 +161,39 @@ class Engram(nnx.Module):
     """[B, S, e] global table rows (ngram_row_ids with this layer's sizes)."""
     return ngram_row_ids(token_ids, orders=self.orders, heads=self.heads, sizes=self.sizes)
 
-  def __call__(self, h: jax.Array, token_ids: jax.Array) -> jax.Array:
+  def publish(self) -> PublishedTable:
+    """Publishes the table as it is now (global arrays, split over the EP
+    axis) for later calls; call it again after every update of the table."""
+    pub = _mesh.shard_map(functools.partial(engram_publish, axis_name=self.axis_name,
+                                            backend=self.backend),
+                          self.mesh, axis_name=self.axis_name)
+    return pub(self.table[...].astype(self.dtype))
+
+  def __call__(self, h: jax.Array, token_ids: jax.Array,
+               published: Optional[PublishedTable] = None) -> jax.Array:
     """h: [B, S, H]; token_ids: [B, S] (negative = padding); B split over
-    the EP axis. Returns [B, S, H] in h's dtype."""
+    the EP axis; published: this layer's `publish()` since the table last
+    changed (None: publish now). Returns [B, S, H] in h's dtype."""
     if h.ndim != 3 or token_ids.shape != h.shape[:2]:
       raise ValueError(f"h must be [B, S, H] and token_ids [B, S]; got {list(h.shape)} and "
                        f"{list(token_ids.shape)}")
+    if published is not None and not isinstance(published, PublishedTable):
+      raise ValueError(f"published must be this layer's publish(), got {type(published).__name__}")
     b, s, _ = h.shape
     idx = self.row_ids(token_ids)
     e = idx.shape[-1]
-    fetch = _mesh.shard_map(functools.partial(_fetch, axis_name=self.axis_name,
-                                              backend=self.backend),
-                            self.mesh, axis_name=self.axis_name)
-    rows = fetch(self.table[...].astype(self.dtype), idx.reshape(b * s, e))
+    table = self.table[...].astype(self.dtype)
+    if published is None:
+      fetch = _mesh.shard_map(functools.partial(_publish_and_fetch, axis_name=self.axis_name,
+                                                backend=self.backend),
+                              self.mesh, axis_name=self.axis_name)
+      rows = fetch(table, idx.reshape(b * s, e))
+    else:
+      if published.table.shape != table.shape or published.table.dtype != table.dtype:
+        raise ValueError(f"published holds a {published.table.dtype}{list(published.table.shape)}"
+                         f" table, this layer a {table.dtype}{list(table.shape)} one")
+      fetch = _mesh.shard_map(_fetch_published, self.mesh, axis_name=self.axis_name)
+      rows = fetch(table, published, idx.reshape(b * s, e))
     return self.mix(h, rows.reshape(b, s, e, -1))
 
   def mix(self, h: jax.Array, rows: jax.Array) -> jax.Array:
@@ -184,6 +209,12 @@ class Engram(nnx.Module):
     return (h.astype(jnp.float32) + y).astype(h.dtype)
 
 
-def _fetch(table, idx, *, axis_name, backend):
+def _publish_and_fetch(table, idx, *, axis_name, backend):
   published = engram_publish(table, axis_name=axis_name, backend=backend)
   return engram_fetch(published, idx, axis_name=axis_name)
+
+
+def _fetch_published(table, published, idx):
+  # The rows come from the publication; the gradient goes to `table`, the
+  # layer's parameter, which holds the published values.
+  return engram_fetch(dataclasses.replace(published, table=table), idx)

@@ -403,6 +403,20 @@ def low_latency_dispatch(payload, idx, E: int, max_tokens: int):
     return out
 
 
+def low_latency_src_entry(disp: list, T: int, K: int, max_tokens: int) -> np.ndarray:
+    """The LowLatencyHandle's src_entry [R(dest), E_l, R*max_tokens] from the
+    oracle's rows: flat (s * T + t) * K + k of the row at each place, -1 past
+    the expert's count (its recv_count is ``disp[r].count``)."""
+    R = len(disp)
+    El = len(disp[0].rows) if R else 0
+    entry = np.full((R, El, R * max_tokens), -1, np.int32)
+    for r, d in enumerate(disp):
+        for l, lst in enumerate(d.rows):
+            for pos, (s, t, k) in enumerate(lst):
+                entry[r, l, pos] = (s * T + t) * K + k
+    return entry
+
+
 def low_latency_combine(y, idx, w, disp, out_dtype=None, mode: str = "plain"):
     """y[R, E_l, M, H]; out[s, t] = sum over valid k in ascending (expert, k)
     of w[s,t,k] * y[row of (s,t,k)], f32 acc, cast to y's dtype."""

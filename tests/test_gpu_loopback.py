@@ -215,13 +215,10 @@ def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E
       outs, _ = lb.ll_dispatch(x, idx, E=E, max_tokens=mt, fp8=fp8)
       payload = oracle.quantize_fp8(x) if fp8 else (x,)
       disp = oracle.low_latency_dispatch(payload, idx, E, mt)
+      entries = oracle.low_latency_src_entry(disp, T, K, mt)
       for r, (got, d) in enumerate(zip(outs, disp)):
         _eq(got["recv_count"], d.count, f"round {rnd} rank {r} recv_count")
-        entry = np.full((El, R * mt), -1, np.int32)
-        for l, lst in enumerate(d.rows):
-          for pos, (s, t, k) in enumerate(lst):
-            entry[l, pos] = (s * T + t) * K + k
-        _eq(got["src_entry"], entry, f"round {rnd} rank {r} src_entry")
+        _eq(got["src_entry"], entries[r], f"round {rnd} rank {r} src_entry")
         valid = np.arange(R * mt)[None, :] < d.count[:, None]
         _eq(got["recv_x"][valid], d.payload[0][valid], f"round {rnd} rank {r} recv_x (valid rows)")
         if fp8:

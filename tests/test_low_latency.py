@@ -190,3 +190,57 @@ def test_ll_dispatch_overflow_is_reported_at_run_time():
     idx = np.zeros((R, T, K), np.int32)          # every slot: expert 0
     with pytest.raises(Exception, match="(?i)overflow"):
         _ll_dispatch(R, E, T, x, idx)
+
+
+def _uneven_topk(rng, R, T, K, E):
+    """Distinct experts per token drawn with skewed odds (a few hot experts,
+    some never chosen), a share of -1 slots that differs per rank (none on
+    rank 0, every slot on the last rank when R > 1)."""
+    odds = rng.permutation(1.0 / np.arange(1, E + 1) ** 1.5)
+    idx = np.stack([[rng.choice(E, size=K, replace=False, p=odds / odds.sum()) for _ in range(T)]
+                    for _ in range(R)]).astype(np.int32).reshape(R, T, K)
+    drop = np.linspace(0.0, 1.0 if R > 1 else 0.4, R)[:, None, None]
+    idx[rng.random((R, T, K)) < drop] = -1
+    return idx
+
+
+HANDLE_CASES = [
+    # R, T, K, E, max_tokens
+    (1, 16, 4, 8, 16),
+    (2, 33, 6, 16, 40),
+    (4, 16, 2, 8, 16),
+    (4, 7, 8, 32, 9),
+    (8, 16, 4, 64, 16),
+    (8, 33, 8, 16, 33),
+]
+
+
+@pytest.mark.parametrize("R,T,K,E,mt", HANDLE_CASES, ids=[_id(c) for c in HANDLE_CASES])
+def test_ll_handle_src_entry_and_recv_count_equal_the_oracle(R, T, K, E, mt):
+    """The whole low-latency handle (src_entry: flat (source rank, token, k)
+    of every row, -1 past the count; recv_count), fused and split, against
+    tests/oracle.py on uneven random routings with -1 slots."""
+    H = 8
+    x = np.zeros((R, T, H), BF16)
+
+    def fn(x, i):
+        kw = dict(num_experts=E, max_tokens=mt)
+        fused = jax_ep.low_latency_dispatch(x, i, axis_name="ep", **kw)
+        split = _call_done(jax_ep.low_latency_dispatch_done,
+                           jax_ep.low_latency_dispatch_start(x, i, axis_name="ep", **kw),
+                           num_experts=E, max_tokens=mt)
+        return [(o.handle.src_entry, o.handle.recv_count, o.recv_count) for o in (fused, split)]
+
+    rng = np.random.default_rng(oracle.stable_seed("ll-handle", R, T, K, E, mt))
+    for rnd in range(3):
+        idx = _uneven_topk(rng, R, T, K, E)
+        disp = oracle.low_latency_dispatch((x,), idx, E, mt)
+        want_entry = oracle.low_latency_src_entry(disp, T, K, mt)
+        want_count = np.stack([d.count for d in disp])
+        for how, (entry, hcount, count) in zip(("fused", "split"), run_sharded(R, fn, x, idx)):
+            assert entry.dtype == np.int32 and entry.shape == want_entry.shape, (entry.dtype, entry.shape)
+            np.testing.assert_array_equal(entry, want_entry, err_msg=f"{how} src_entry, round {rnd}")
+            np.testing.assert_array_equal(hcount, want_count, err_msg=f"{how} handle.recv_count, round {rnd}")
+            np.testing.assert_array_equal(count, want_count, err_msg=f"{how} recv_count, round {rnd}")
+        if R > 1 and rnd == 0:  # the routing is as uneven as meant
+            assert want_count.max() >= 3 * max(1, want_count.min()), want_count

@@ -8,7 +8,11 @@ output head; cross-entropy on the next token, optax adam. The data: each
 sequence starts with two random tokens, then x[t+1] = (perm[x[t]] +
 x[t-1] % 2) % vocab for a fixed random permutation, so the loss falls from
 log(vocab) as the model learns the permutation (from x[t] alone) and then
-the parity bit (by attending to x[t-1]).
+the parity bit (by attending to x[t-1]). `--engram` adds a jax_ep.nn.Engram
+layer (hashed 2/3-gram rows of a table split over the EP ranks, gated into
+the residual) after the embedding; its table is published once per step,
+after the optimizer update, and the next step's lookups read that
+publication (fetch -> loss -> grad -> update -> publish).
 
 Runs on whatever devices exist: GPUs with the CUDA kernels when jax_ep was
 built with CUDA (a Communicator on the EP axis), else 8 virtual CPU devices
@@ -39,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep.mesh import place_replicated  # noqa: E402
-from jax_ep.nn import MoE  # noqa: E402
+from jax_ep.nn import Engram, MoE  # noqa: E402
 
 BACKENDS = {"auto": None, "reference": "reference", "cuda": "cuda"}
 
@@ -101,11 +105,13 @@ class MoETransformer(nnx.Module):
   """tokens [B, S] -> next-token logits [B, S, vocab] (f32)."""
 
   def __init__(self, *, vocab: int, seq: int, hidden: int, heads: int, layers: int,
-               moe: Callable[[nnx.Rngs], MoE], remat: bool = False, rngs: nnx.Rngs):
+               moe: Callable[[nnx.Rngs], MoE], remat: bool = False,
+               engram: Optional[Callable[[nnx.Rngs], Engram]] = None, rngs: nnx.Rngs):
     if hidden % heads:
       raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
     self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, hidden), jnp.float32))
     self.pos = nnx.Param(0.1 * jax.random.normal(rngs.params(), (seq, hidden), jnp.float32))
+    self.engram = engram(rngs) if engram is not None else None
     self.blocks = nnx.List([Block(hidden, heads=heads, moe=moe(rngs), rngs=rngs)
                             for _ in range(layers)])
     self.norm = nnx.Param(jnp.ones((hidden,), jnp.float32))
@@ -113,16 +119,19 @@ class MoETransformer(nnx.Module):
                                                              jnp.float32))
     self.remat = remat
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, published=None) -> jax.Array:
+    """published: the Engram layer's publication of its current table."""
     h = self.embed[...][tokens] + self.pos[...][:tokens.shape[1]]
+    if self.engram is not None:
+      h = self.engram(h, tokens, published)
     for block in self.blocks:
       h = nnx.remat(lambda blk, h: blk(h))(block, h) if self.remat else block(h)
     return rms_norm(h, self.norm[...]) @ self.head[...]
 
 
-def next_token_loss(model: MoETransformer, tokens: jax.Array) -> jax.Array:
+def next_token_loss(model: MoETransformer, tokens: jax.Array, published=None) -> jax.Array:
   """Mean cross-entropy of tokens[:, 1:] given tokens[:, :-1]."""
-  logits = model(tokens[:, :-1])
+  logits = model(tokens[:, :-1], published)
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
 
 
@@ -150,10 +159,15 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
                     score_fn=args.score_fn, shared_ffn=args.shared_ffn or None,
                     fp8_dispatch=args.fp8_dispatch)
   experts = args.experts_per_rank * ep
+  engram = None
+  if args.engram:
+    engram = lambda rngs: Engram(args.hidden, mesh=mesh, axis_name="ep",  # noqa: E731
+                                 rows_per_head=args.engram_rows, head_dim=args.engram_dim,
+                                 backend=backend, rngs=rngs)
   model = MoETransformer(
       vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers,
       moe=lambda rngs: MoE(args.hidden, args.ffn, experts, args.topk, rngs=rngs, **moe_kwargs),
-      remat=args.remat, rngs=nnx.Rngs(args.seed))
+      remat=args.remat, engram=engram, rngs=nnx.Rngs(args.seed))
   opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
   # The MoE layers placed their own weights; everything else (attention,
   # embeddings, the optimizer's counts) is replicated over the mesh, so the
@@ -161,12 +175,17 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
   nnx.update((model, opt), place_replicated(nnx.state((model, opt)), mesh))
   graph, state = nnx.split((model, opt))
 
+  def publish(model):  # the Engram table as it is now (None without Engram)
+    return model.engram.publish() if model.engram is not None else None
+
   @jax.jit
-  def step(state, tokens):
+  def step(state, published, tokens):
     model, opt = nnx.merge(graph, state)
-    loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens)
+    loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens, published)
     opt.update(model, grads)
-    return loss, nnx.state((model, opt))
+    return loss, nnx.state((model, opt)), publish(model)
+
+  published = jax.jit(lambda state: publish(nnx.merge(graph, state)[0]))(state)
 
   perm = task_permutation(args.vocab, seed=args.seed)
   rng = np.random.default_rng(args.seed + 1)
@@ -178,7 +197,7 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
     host = make_batch(rng, perm, batch=args.batch, seq=args.seq)
     tokens = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
     t0 = time.perf_counter()
-    loss, state = step(state, tokens)
+    loss, state, published = step(state, published, tokens)
     loss = float(loss)
     times.append(time.perf_counter() - t0)
     losses.append(loss)
@@ -188,8 +207,10 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
   log(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tokens_per_s:.0f} tokens/s "
       f"(median step {np.median(steady) * 1e3:.1f} ms; first step, with compilation, "
       f"{times[0]:.2f} s)")
+  # Where the Engram lookups ran: "auto" = the kernels on the CUDA platform.
+  engram_path = published.backend if published is not None else None
   return dict(losses=losses, step_times_s=times, tokens_per_s=tokens_per_s,
-              compiled_programs=step._cache_size())
+              compiled_programs=step._cache_size(), engram_path=engram_path)
 
 
 def max_relative_difference(a: list[float], b: list[float], steps: int) -> float:
@@ -239,6 +260,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--fp8-dispatch", action="store_true",
                  help="rows travel as FP8 (hidden must be a multiple of 128)")
   p.add_argument("--remat", action="store_true", help="recompute each block in the backward")
+  p.add_argument("--engram", action="store_true",
+                 help="add a jax_ep.nn.Engram layer after the embedding")
+  p.add_argument("--engram-rows", type=int, default=1021, help="Engram rows per (order, head)")
+  p.add_argument("--engram-dim", type=int, default=16, help="Engram row width D")
   p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x ep)")
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)

@@ -56,6 +56,20 @@ def test_layer_options_and_compare_backends_run(tmp_path):
   assert js.exists() and not png.exists()
 
 
+def test_engram_run_carries_one_publication_per_step_and_compiles_once(tmp_path):
+  """--engram: the step takes the last publication and returns the next
+  (fetch -> loss -> grad -> update -> publish); one program for every step,
+  and the loss falls. Also on a dp x ep mesh, against the reference."""
+  js = tmp_path / "losses.json"
+  run = train.main(["--steps", "6", *TINY, "--engram", "--json", str(js),
+                    "--no-plot"])["runs"]["reference"]
+  assert run["compiled_programs"] == 1
+  assert run["losses"][-1] < 0.8 * run["losses"][0], run["losses"]
+  result = train.main(["--steps", "2", *TINY, "--engram", "--dp", "2", "--compare-backends",
+                       "--json", str(js), "--no-plot"])
+  assert result["max_relative_loss_difference"] < 1e-3
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -18,6 +18,10 @@ compare times), `logical_gbps` DeepEP's figure including local rows. Times are
 medians over repeats of a jitted step that runs the op `iters` times
 back-to-back (each call chained to the previous one through
 lax.optimization_barrier so XLA cannot hoist or merge them), divided by `iters`.
+--sweep sizes `iters` per variant and size (chain_calls: at least 50 calls and
+about 50 ms of their work per step, so the step's own launch + sync is spread
+thin at the small sizes), keeps one digest of the outputs per step instead of
+all of them, and records the profiler's kernel time per call of jax_ep.
 
   python benchmarks/bench_normal.py [--quick] [--sweep] [--out DIR]
 """
@@ -168,11 +172,34 @@ def _time_step(fn: Callable, args, *, iters: int, repeats: int, digest=None) -> 
   return _time_chain(jstep, args, repeats) / iters
 
 
-def _adaptive_iters(fn, args, quick: bool) -> tuple[int, int]:
-  """Few iterations for slow baselines (ragged_all_to_all takes ~100 ms)."""
-  t = _time_step(fn, args, iters=1, repeats=1)
+# The sweep's chain length (chain_calls): every jitted step runs at least
+# SWEEP_MIN_CALLS calls and about SWEEP_STEP_S of their work, at most
+# SWEEP_MAX_CALLS (compile time grows with it).
+SWEEP_STEP_S = 50e-3
+SWEEP_MIN_CALLS = 50
+SWEEP_MAX_CALLS = 1000
+SWEEP_PROBE_CALLS = 10  # the longer of the two steps that estimate a call's time
+
+
+def chain_calls(per_call_s: float) -> int:
+  """Calls per step for a call of `per_call_s` seconds (see SWEEP_STEP_S)."""
+  want = SWEEP_STEP_S / per_call_s if per_call_s > 0 else SWEEP_MAX_CALLS
+  return int(min(SWEEP_MAX_CALLS, max(SWEEP_MIN_CALLS, -(-want // 1))))
+
+
+def _adaptive_iters(fn, args, quick: bool, sweep: bool = False, digest=None) -> tuple[int, int]:
+  """Few iterations for slow baselines (ragged_all_to_all takes ~100 ms).
+  `sweep`: chain_calls of the time per call, from the difference between a
+  SWEEP_PROBE_CALLS-call and a 1-call step, so the step's own launch + sync
+  (the same in both) drops out of the estimate; `digest` as for _chain."""
+  t = _time_step(fn, args, iters=1, repeats=3 if sweep else 1, digest=digest)
   if t > 20e-3:
     return 1, 3
+  if sweep:
+    n = SWEEP_PROBE_CALLS
+    tn = _time_step(fn, args, iters=n, repeats=3, digest=digest) * n
+    per_call = (tn - t) / (n - 1) if tn > t else tn / n
+    return chain_calls(per_call), 5
   if quick:
     return 5, 5
   # Many calls per step: the step's own launch + sync (~2 ms for 2 GPUs) is
@@ -568,7 +595,11 @@ def ragged_modes(shape: "Shape", out_dir: str, timeout_s: int = 300) -> list[dic
   return records
 
 
-def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list[dict]:
+def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
+        sweep: bool = False) -> list[dict]:
+  """Records of `impls` at `shape`. `sweep`: chain_calls per step, a digest
+  of the outputs per step, and the profiler's kernel time of jax_ep's ops
+  (what `quick` leaves out)."""
   import jax
   from jax.sharding import Mesh
   import jax_ep
@@ -598,11 +629,15 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
   # (time_all), so none is timed on a colder GPU than the others (issue 12).
   pending = []
 
+  # The sweep's long chains keep one small digest per step, not every call's
+  # outputs (up to SWEEP_MAX_CALLS of them).
+  digest = mesh if sweep else None
+
   def bench(name, impl, dtype, fn, args, row_bytes, nsms=None, per_expert=False):
     label = f"{name}/{impl}/{dtype}"
     try:
-      iters, reps = _adaptive_iters(fn, args, quick)
-      jstep = _chain(fn, iters)
+      iters, reps = _adaptive_iters(fn, args, quick, sweep=sweep, digest=digest)
+      jstep = _chain(fn, iters, digest)
       jax.block_until_ready(jstep(*args))
     except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
       print(f"  {label}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
@@ -620,12 +655,12 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None) -> list
     except Exception as e:  # noqa: BLE001
       print(f"  {name}/{impl}/{dtype}: FAILED: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
       return
-    extra = {}
-    if impl.startswith("jax_ep") and not quick:
+    extra = dict(calls_per_step=iters)
+    if impl.startswith("jax_ep") and (sweep or not quick):
       # The profiler's view of one call (issue 12: kernel time per op, and
       # which of prep / control / data kernels it goes to).
       tr = trace_us(fn, args, None, shape.ranks, iters=10)
-      extra = dict(kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"], kernel_parts=tr["kernel_parts"])
+      extra.update(kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"], kernel_parts=tr["kernel_parts"])
     record(name, impl, dtype, t, row_bytes, nsms, per_expert, **extra)
     parts = extra.get("kernel_parts") or {}
     detail = "  ".join(f"{_kernel_label(k)}={v:.1f}" for k, v in parts.items())
@@ -848,7 +883,7 @@ def main(argv=None) -> int:
       impls = ["jax_ep", "reference", "jax_all_to_all"] + ([] if t > 4096 else ["jax_capacity_all_to_all"])
       if args.impls:
         impls = args.impls.split(",")
-      records += run(Shape(tokens=t), quick=True, impls=impls)
+      records += run(Shape(tokens=t), quick=False, impls=impls, sweep=True)
   else:
     records += run(Shape(tokens=t), quick=args.quick, impls=impls) + early
   _finish(records, ce, ce_note, machine)

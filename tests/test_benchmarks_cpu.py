@@ -329,3 +329,32 @@ def test_digest_chain_keeps_every_call_returns_one_array_and_adds_no_collective(
   assert got.shape == (R * iters * 2,)
   want = np.concatenate([[np.asarray(l, np.float32).reshape(R, -1)[r, 0] for l in leaves] for r in range(R)])
   np.testing.assert_array_equal(got, want)
+
+
+def test_bench_normal_sweep_chains_enough_calls_and_keeps_a_digest(monkeypatch):
+  """--sweep's timing: chain_calls gives at least SWEEP_MIN_CALLS calls and
+  about SWEEP_STEP_S of work per step (capped); run(sweep=True) times that
+  many calls per step, through _chain's digest. On CPU with the reference
+  and limits made small (the real ones would compile 50+ calls)."""
+  bn = _bench_normal()
+  assert bn.chain_calls(1.0) == bn.SWEEP_MIN_CALLS
+  assert bn.chain_calls(bn.SWEEP_STEP_S / 200) == max(bn.SWEEP_MIN_CALLS, 200)
+  assert bn.chain_calls(1e-9) == bn.SWEEP_MAX_CALLS
+  assert bn.chain_calls(0.0) == bn.SWEEP_MAX_CALLS
+  monkeypatch.setattr(bn, "SWEEP_MIN_CALLS", 2)
+  monkeypatch.setattr(bn, "SWEEP_MAX_CALLS", 3)
+  monkeypatch.setattr(bn, "SWEEP_PROBE_CALLS", 2)
+  chains = []
+  chain = bn._chain
+
+  def chain_logged(fn, iters, digest=None):
+    chains.append((iters, digest is not None))
+    return chain(fn, iters, digest)
+
+  monkeypatch.setattr(bn, "_chain", chain_logged)
+  recs = bn.run(bn.Shape(tokens=16, hidden=128, topk=2, experts=8, ranks=2), quick=False,
+                impls=["reference"], sweep=True)
+  assert {(r["bench"], r["dtype"]) for r in recs} >= {("normal_dispatch", "bf16"), ("normal_combine", "bf16")}
+  assert all(2 <= r["calls_per_step"] <= 3 and r["time_us"] > 0 for r in recs)
+  assert chains and all(d for _, d in chains)  # probes and timed steps: digests only
+  assert {r["calls_per_step"] for r in recs} <= {n for n, _ in chains}

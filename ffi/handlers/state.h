@@ -153,15 +153,19 @@ class RefusalNotice {
 };
 
 // The part of every execute binding that is the same for all jax_ep targets:
-// stream, device ordinal, the shared state and the `comm_id` attribute, in
-// the order the handlers take them.
-inline auto BindEpExecute() {
+// stream, device ordinal and the shared state, in the order the handlers take
+// them. Handlers that decode their attributes as one struct (.Attrs<T>())
+// start from this; XLA FFI does not let them mix it with single .Attr ones.
+inline auto BindEpContext() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ctx<ffi::DeviceOrdinal>()
-      .Ctx<ffi::State<CommState>>()
-      .Attr<int64_t>("comm_id");
+      .Ctx<ffi::State<CommState>>();
 }
+
+// BindEpContext() plus the `comm_id` attribute, for handlers that bind their
+// attributes one by one.
+inline auto BindEpExecute() { return BindEpContext().Attr<int64_t>("comm_id"); }
 
 // A bad argument of op `op` (the message names it).
 inline ffi::Error Invalid(const char* op, const std::string& msg) {

@@ -211,7 +211,7 @@ LARGE_SMS = (8, 16, 24, 32, 64, 132)
 
 
 def _large_fetch(shape: Shape, mesh, smap, token, cid: int, quick: bool) -> list[dict]:
-  """The bandwidth case (issue 13): 16384 x 32 rows of bf16 D = 128 per rank
+  """The bandwidth case (docs/design.md §6): 16384 x 32 rows of bf16 D = 128 per rank
   from the published table, half of them remote at EP2 (64 MiB over
   NVLink), for each CTA count in LARGE_SMS; ratio_to_copy_engine is added
   by the frame (measure_and_write), so the fewest CTAs reaching the bar show."""

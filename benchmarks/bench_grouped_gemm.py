@@ -1,6 +1,6 @@
 """Expert GEMMs on one GPU: jax_ep.grouped_matmul against what JAX offers.
 
-Shape (issue 17, docs/design.md §6): M = 32768 rows (4096 tokens x top-8) over 128
+Shape (docs/design.md §6): M = 32768 rows (4096 tokens x top-8) over 128
 local experts, bf16, H = 7168 -> F = 2048 (up) and F -> H (down). Group sizes
 come from uniform random routing, padded to 8 rows, and are read on the
 device. In one run, every implementation warmed up before it is timed:

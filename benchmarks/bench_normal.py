@@ -626,7 +626,8 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
                         sms=nsms, **extra))
 
   # Every variant is compiled and run once (bench) before any is timed
-  # (time_all), so none is timed on a colder GPU than the others (issue 12).
+  # (time_all), so none is timed on a colder GPU than the others
+  # (docs/design.md §6).
   pending = []
 
   # The sweep's long chains keep one small digest per step, not every call's
@@ -657,8 +658,8 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
       return
     extra = dict(calls_per_step=iters)
     if impl.startswith("jax_ep") and (sweep or not quick):
-      # The profiler's view of one call (issue 12: kernel time per op, and
-      # which of prep / control / data kernels it goes to).
+      # The profiler's view of one call (docs/design.md §6: kernel time per
+      # op, and which of prep / control / data kernels it goes to).
       tr = trace_us(fn, args, None, shape.ranks, iters=10)
       extra.update(kernel_us=tr["kernel_us"], chain_gap_us=tr["gap_us"], kernel_parts=tr["kernel_parts"])
     record(name, impl, dtype, t, row_bytes, nsms, per_expert, **extra)
@@ -708,7 +709,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
         f_comb = smap(lambda y, hd, wr: jax_ep.combine(y, hd, wr, **kw))
         bench("normal_combine", impl, "bf16", f_comb, (recv, handle, row_w), bf16_row, nsms)
       elif impl == "jax_ep_sms":
-        # What more SMs than the 24 of the bar buy (issue 12): the same BF16
+        # What more SMs than the 24 of the bar buy (docs/design.md §6): the same BF16
         # dispatch and combine on 48 and on every SM.
         for n in (48, 132):
           f = smap(lambda x, i, w, n=n: disp(x, i, w, num_sms=n, backend="cuda").recv_x)

@@ -1,4 +1,4 @@
-// Probe: the grouped forward (x[rows_g, H] @ w[g], issue 17's shape) under
+// Probe: the grouped forward (x[rows_g, H] @ w[g], docs/design.md §6's shape) under
 // several CUTLASS schedules and weight layouts, each in its own binary
 // (-DCFG=n), timed with CUDA events on uniform 256-row groups and on routed
 // group sizes, each with both tile orders. It reuses the package's prep

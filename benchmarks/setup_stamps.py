@@ -1,6 +1,6 @@
 """Where the normal dispatch's setup kernel spends its time, phase by phase
-(issue 12: the 14-25 µs of prep and control per dispatch at EP1, 20-33 µs
-at EP2). Runs a chain of dispatches per layout at the Normal shape (BF16,
+(the 14-25 µs of prep and control per dispatch at EP1, 20-33 µs at EP2,
+benchmarks/RESULTS.md; the setup kernel: docs/design.md §1). Runs a chain of dispatches per layout at the Normal shape (BF16,
 24 SMs) in a child process with JAX_EP_SETUP_STAMPS=1, whose setup kernels
 note the global timer after each phase of the control block and at the
 start and end of every prep block (ffi/kernels/dispatch.cu, `Stamp`); the

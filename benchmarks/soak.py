@@ -1,4 +1,4 @@
-"""Soak (issue 15 item 5): many normal dispatch + combine pairs, each with a
+"""Soak (docs/errors.md: nothing dropped, no drift): many normal dispatch + combine pairs, each with a
 fresh random routing (within capacity, with −1 slots), in jitted chunks.
 After each chunk: the communicator reports no error, device memory in use
 has not grown, and the chunk's last pair equals the reference bit for bit

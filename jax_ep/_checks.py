@@ -117,7 +117,8 @@ _QUIET = False
 
 
 def _quiet_reports() -> None:
-  """The message once, where the user fetches the result (issue 15 item 7).
+  """The message once, where the user fetches the result (docs/errors.md,
+  "When a device-side error is raised").
 
   Every rank's callback raises (so every rank stops at the same point, see
   raise_if), and jax logs each one with its traceback: that log drops

@@ -255,7 +255,7 @@ def test_soak_memory_growth_ignores_churn_and_sees_a_leak():
 
 
 def test_bench_normal_warms_every_variant_up_before_it_times_any(monkeypatch):
-  """Issue 12: all of bench_normal's variants are compiled and run once
+  """docs/design.md §6: all of bench_normal's variants are compiled and run once
   before the first is timed (a variant timed first must not meet a colder
   GPU than the rest). On CPU with the reference and the dense all_to_all."""
   bn = _bench_normal()

@@ -217,7 +217,7 @@ def test_ep_runtime_error_is_the_jax_runtime_error_users_catch():
                     reason="the status messages are the native module's")
 def test_a_status_message_names_the_op_the_cause_and_the_call():
     """What a kernel's status code becomes (the deferred report must name the
-    call that caused it: issue 15 item 1); op 3 = dispatch, cause 1 = bad id."""
+    call that caused it: docs/errors.md); op 3 = dispatch, cause 1 = bad id."""
     from jax_ep import _native
     describe = _native.module().describe_status
     code = (3 << 16) | (1 << 8)
@@ -228,9 +228,10 @@ def test_a_status_message_names_the_op_the_cause_and_the_call():
 
 
 def test_a_run_time_error_prints_once_not_once_per_rank(tmp_path):
-    """Issue 15 item 7: on 8 CPU devices a bad expert id used to log a
-    traceback per rank and again in an atexit callback; now the user's
-    exception carries it and at most one line follows at exit."""
+    """docs/errors.md (end of its second section): on 8 CPU devices a bad
+    expert id used to log a traceback per rank and again in an atexit
+    callback; now the user's exception carries it and at most one line
+    follows at exit."""
     import subprocess
     import sys
     script = tmp_path / "bad.py"
@@ -264,7 +265,7 @@ def test_which_errors_refuse_the_next_op():
     """After a bad id, an overflow, a bad Engram index, a stale publication
     or a peer that failed its own checks the next op runs (its peers do not
     wait for it) and then reports; after a peer that never arrived, or
-    low-latency calls out of order, it is refused (issue 15 item 2)."""
+    low-latency calls out of order, it is refused (docs/errors.md, its table)."""
     from jax_ep import _native
     fatal = _native.module().is_fatal_status
     code = lambda op, cause, detail=0: (op << 16) | (cause << 8) | detail  # noqa: E731

@@ -1,6 +1,6 @@
 """Same inputs, same bits: dispatch + combine, the low-latency kernels and an
-Engram fetch, 100 runs each, every run bitwise equal to the first (issue 15
-item 5; across processes: tests/test_gpu_dispatch.py's multi-process test
+Engram fetch, 100 runs each, every run bitwise equal to the first (across
+processes: tests/test_gpu_dispatch.py's multi-process test
 compares each process with the reference)."""
 from __future__ import annotations
 

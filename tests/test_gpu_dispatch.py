@@ -284,7 +284,7 @@ def check_errors_then_next_call_works(comm):
 def test_a_deferred_error_names_the_call_that_caused_it(comm):
   """Deferred mode (the default): the bad call returns; the error, raised by
   check(), names that call's number on its device, which info()'s `calls`
-  brackets (issue 15 item 1)."""
+  brackets (docs/errors.md, "When a device-side error is raised")."""
   rng = np.random.default_rng(stable_seed("deferred-call-number"))
   R, T, H, K, E = comm.num_ranks, 32, 128, 2, 8
   x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
@@ -307,7 +307,7 @@ def test_a_deferred_error_names_the_call_that_caused_it(comm):
 
 
 def test_after_a_bad_id_the_next_call_runs_then_reports_and_no_peer_waits(comm):
-  """Issue 15 item 2: a device error pending from the last call no longer
+  """docs/errors.md (its table): a device error pending from the last call no longer
   makes the next op refuse (which left its peers waiting out timeout_s); it
   runs, then fails naming the earlier error, within a fraction of the
   timeout. The call after that works."""

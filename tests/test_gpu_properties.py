@@ -2,7 +2,7 @@
 over random shapes, routings (−1 slots, skew, an empty rank), dtypes and
 layouts, the CUDA dispatch equals the reference bit for bit (rows, ids,
 weights, counts and the whole handle) and so does the combine of its rows.
-Issue 15 item 6 (the CPU variant is tests/test_properties.py)."""
+The CPU variant is tests/test_properties.py."""
 from __future__ import annotations
 
 import numpy as np

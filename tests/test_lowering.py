@@ -348,7 +348,7 @@ def test_public_low_latency_ops_lower_to_the_kernels_once_validated(monkeypatch,
 
 def test_a_second_communicator_on_an_axis_is_an_error_unless_replace(monkeypatch):
     """Ops pick the Communicator of their axis: a second create on that axis
-    must not shadow the first silently (issue 15 item 4)."""
+    must not shadow the first silently (docs/errors.md)."""
     from jax_ep import comm as _comm
 
     closed = []

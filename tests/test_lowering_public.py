@@ -195,7 +195,7 @@ def test_bad_sm_counts_raise_naming_the_argument(kw, match):
 @pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
 def test_engram_table_gradient_lowers_to_the_ordered_sum_kernel_for_cuda(fake_comm):
   """On the kernels' path the table gradient is the deterministic per-row
-  sum kernel, not XLA's scatter-add (atomics on the GPU; issue 13 item 4)."""
+  sum kernel, not XLA's scatter-add (atomics on the GPU; docs/design.md §2, Engram)."""
   R, T, e, rows, dim = 2, 8, 3, 4096, 128
   mesh = _mesh2()
 

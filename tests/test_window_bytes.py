@@ -43,5 +43,6 @@ def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved
 
 
 def test_the_window_header_size_is_the_native_one():
-  """The header size is written once per language (issue 12 item 5)."""
+  """The header size is written once per language (docs/design.md §3, the
+  window layout)."""
   assert _native.WINDOW_HEADER_BYTES == _native.module().window_header_bytes

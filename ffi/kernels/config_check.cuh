@@ -1,4 +1,4 @@
-// Configurations that differ across ranks (issue 15 item 3). With one
+// Configurations that differ across ranks (docs/errors.md, its table). With one
 // process per GPU every process compiles its own program, so one rank can
 // call dispatch with another hidden size, dtype, token count or expert
 // count than its peers; the window offsets they compute then disagree and

@@ -86,3 +86,51 @@ def test_checked_mode_combine_and_a_training_like_loop_stay_correct(comm):
   ref = np.asarray(step("reference")(*args))
   np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
   comm.check()
+
+
+def test_checked_mode_bad_engram_index_fails_its_own_program(comm):
+  """An Engram index >= V on one rank: in checked mode the fetch's own
+  program fails when its rows are waited on, naming engram_fetch and the
+  cause; nothing is left for check(); the next fetch is bitwise the gather."""
+  R, VL, D, T, e = comm.num_ranks, 512, 128, 64, 8
+  rng = np.random.default_rng(stable_seed("checked-engram"))
+  shards = (rng.standard_normal((R, VL, D)) * 2).astype(jax.numpy.bfloat16)
+  idx = rng.integers(-1, R * VL, size=(R, T, e)).astype(np.int32)
+  bad = idx.copy()
+  bad[R - 1, 5, 3] = R * VL + 9
+  f = h.per_rank_jit(comm.mesh, lambda t, i: jax_ep.engram_fetch(
+      jax_ep.engram_publish(t, axis_name=h.AXIS, backend="cuda"), i))
+  tab = h.put(comm.mesh, shards)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"engram_fetch.*index out of range"):
+    np.asarray(jax.block_until_ready(f(tab, h.put(comm.mesh, bad))))
+  comm.check()
+  got = np.asarray(jax.block_until_ready(f(tab, h.put(comm.mesh, idx))))
+  table = shards.reshape(R * VL, D)
+  want = np.where(idx[..., None] >= 0, table[np.maximum(idx, 0)], 0).astype(shards.dtype)
+  np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_checked_mode_low_latency_overflow_fails_its_own_program(comm):
+  """A token that repeats one expert in its top-k more often than
+  max_tokens allows overflows that expert's (expert, source) slots: in
+  checked mode the low-latency dispatch's own program fails naming the op
+  and the overflow; the next correct call's counts are the reference's."""
+  from jax_ep.ops import low_latency as ll
+  R, T, H, K, E, mt = comm.num_ranks, 4, 256, 8, 8, 4
+  rng = np.random.default_rng(stable_seed("checked-ll"))
+  x = rng.standard_normal((R, T, H)).astype(jax.numpy.bfloat16)
+  good = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
+  bad = good.copy()
+  bad[:, :, :] = 0          # every (token, k) of every rank to expert 0: T*K = 32 rows > mt
+  # Above the bytes this module's dispatches use (docs/low_latency.md).
+  f = h.per_rank_jit(comm.mesh, lambda x, i: ll.kernel_dispatch(
+      x, i, num_experts=E, max_tokens=mt, reserved_bytes=COMM_BYTES // 2).recv_count)
+  xs = h.put(comm.mesh, x)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?i)low_latency.*(overflow|capacity)"):
+    np.asarray(jax.block_until_ready(f(xs, h.put(comm.mesh, bad))))
+  comm.check()
+  got = np.asarray(jax.block_until_ready(f(xs, h.put(comm.mesh, good))))
+  ref = np.asarray(h.per_rank_jit(comm.mesh, lambda x, i: jax_ep.low_latency_dispatch(
+      x, i, num_experts=E, max_tokens=mt, backend="reference").recv_count)(
+          xs, h.put(comm.mesh, good)))
+  np.testing.assert_array_equal(got, ref)

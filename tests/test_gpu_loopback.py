@@ -297,6 +297,65 @@ def test_a_configuration_mismatch_across_ranks_names_both_values_then_next_call_
     _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
 
 
+_FORMAT = "format (payload bytes | fp8 << 8 | expert layout << 16)"  # ffi/comm.cc ConfigMismatchDetail
+_CALL = dict(dtype="bf16", cast_fp8=False, layout="rank")
+
+
+def _format_word(dtype, cast_fp8, layout):
+  """The format field of ffi/kernels/config_check.cuh's record (dispatch.cu)."""
+  fp8 = dtype == "fp8_pair" or cast_fp8
+  return (1 if fp8 else DTYPES[dtype].itemsize) | (int(fp8) << 8) | (int(layout == "expert") << 16)
+
+
+@pytest.mark.parametrize("rank0", [
+    dict(dtype="f32"), dict(dtype="fp8_pair"), dict(cast_fp8=True), dict(layout="expert"),
+    pytest.param(dict(dtype="f16"), marks=pytest.mark.xfail(
+        strict=True, reason="the record holds the payload's bytes per element, not its dtype: "
+                            "bf16 against f16 is not detected (config_check.cuh)")),
+], ids=["f32", "fp8_pair", "cast_fp8", "expert_layout", "f16"])
+def test_a_payload_format_mismatch_across_ranks_names_both_values_then_next_call_works(rank0):
+  """Issue 15 item 3, the payload's dtype / format: rank 0 calls dispatch
+  with another dtype, FP8 (as a pair or cast in the kernel) or the expert
+  layout, rank 1 with bf16 in the rank layout, each with inputs of its own
+  (outputs sized for the larger). Both name the format words, then a
+  dispatch + combine in rank 0's configuration on both ranks works."""
+  import loopback as lbmod
+  R, T, H, K, E = 2, 64, 512, 4, 32
+  rng = np.random.default_rng(stable_seed("loopback-format-mismatch", *sorted(rank0.items())))
+  calls = [dict(_CALL, **rank0), dict(_CALL)]
+  words = [_format_word(**c) for c in calls]
+  window = max(_window(R, T, H, K, E, 4, False), _window(R, T, H, K, E, 2, True))
+  with Loopback(R, window) as lb:
+    _, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
+    inputs, overrides, caps = [], {}, []
+    for r, c in enumerate(calls):
+      payload = _inputs(rng, 1, T, H, K, E, c["dtype"], "random")[0]
+      d = dict(x=payload[0][0], topk_idx=idx[r].astype(np.int32), topk_weights=w[r].astype(np.float32))
+      if len(payload) > 1:
+        d["x_scales"] = payload[1][0].astype(np.float32)
+      inputs.append(d)
+      caps.append(_capacity(R, T, K, E, c["layout"]))
+      x_dtype = oracle.FP8 if c["dtype"] == "fp8_pair" else DTYPES[c["dtype"]]
+      overrides[r] = dict(x_dtype=lbmod._DTYPE_CODE[np.dtype(x_dtype)], cast_fp8=int(c["cast_fp8"]),
+                          layout=lbmod._LAYOUT_CODE[c["layout"]], capacity=caps[r])
+    C = max(caps)
+    outputs = dict(recv_x=((C, H), F32), recv_scales=((C, H // 128), F32),
+                   recv_topk_idx=((C, K), np.int32), recv_topk_weights=((C, K), np.float32),
+                   counts=((max(R, E // R),), np.int32), pos_in_rank=((T, R), np.int32),
+                   recv_src_rank=((C,), np.int32), recv_src_token=((C,), np.int32),
+                   recv_src_k=((C,), np.int32), recv_counts=((R,), np.int32))
+    scalars = dict(overrides[1], ue8m0=0, num_tokens=T, hidden=H, topk=K, num_experts=E,
+                   expert_alignment=1, num_sms=0)
+    _, reports = lb.run("dispatch", scalars, inputs, outputs, check=False, overrides=overrides)
+    for r in range(R):
+      assert "another configuration" in reports[r], reports
+    assert f"{_FORMAT} {words[0]} here, {words[1]} on EP rank 1" in reports[0], reports
+    assert f"{_FORMAT} {words[1]} here, {words[0]} on EP rank 0" in reports[1], reports
+    _round(lb, rng, T, H, K, E, calls[0]["dtype"], "random", calls[0]["layout"],
+           cast_fp8=calls[0]["cast_fp8"])
+    _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
 @pytest.mark.parametrize("R,skip,op", [(2, 1, "dispatch"), (4, 2, "dispatch"), (2, 0, "combine")])
 def test_a_rank_that_skips_the_call_is_reported_by_its_peers_within_the_timeout(R, skip, op):
   import time

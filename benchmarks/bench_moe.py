@@ -24,7 +24,11 @@ one run, each variant warmed up before any is timed:
                        capacity factor and padded batched matmuls (not
                        ragged_dot, see below); GPU only (XLA:CPU has no
                        ragged-all-to-all), left out, saying why, if it fails
-                       or disagrees
+                       or disagrees; also once more in a fresh process with
+                       XLA's symmetric-memory ragged-all-to-all kernel
+                       (bench_normal.RAGGED_XLA_MODES), impl
+                       jax_native_ragged_a2a[symmetric_memory], where the
+                       plugin accepts the flag (else a record saying why)
   expert_gemms         jax_ep's two grouped matmuls alone (forward + backward)
                        on the same routing: the floor the step is held to
 
@@ -568,6 +572,8 @@ def main(argv=None) -> int:
   ap.add_argument("--sweep", action="store_true", help="tokens 512..4096, writes a PNG")
   ap.add_argument("--impls", default=None,
                   help="comma list of layers to time (jax_ep_shared: the overlap pair); default all")
+  ap.add_argument("--no-ragged-modes", action="store_true",
+                  help="skip the ragged layer's symmetric-memory run in its own process")
   args = ap.parse_args(argv)
   impls = args.impls.split(",") if args.impls else None
   gpus = bn.require_two_gpus("bench_moe", need=1)
@@ -577,6 +583,9 @@ def main(argv=None) -> int:
   records = []
   for t in sizes:
     records += run(MoEShape(tokens=t), quick=args.quick, check=(t == sizes[0]), impls=impls)
+  ragged = "jax_native_ragged_a2a"
+  if not args.no_ragged_modes and (impls is None or ragged in impls):
+    records += symmetric_memory_ragged(args.tokens or 4096, quick=args.quick)
   stamp = dict(machine=bn._machine(gpus), date=datetime.date.today().isoformat(),
                commit=bn._commit())
   for r in records:
@@ -586,6 +595,29 @@ def main(argv=None) -> int:
   if args.sweep:
     _plot(records, os.path.join(args.out, "moe_sweep.png"))
   return 0
+
+
+def symmetric_memory_ragged(tokens: int, *, quick: bool, timeout_s: int = 400) -> list[dict]:
+  """The MaxText-style layer once more, in a fresh process under XLA's
+  symmetric-memory ragged-all-to-all mode (a flag read once per process);
+  a refused flag or a failed run gives a record with time_us None and why."""
+  impl, mode = "jax_native_ragged_a2a", "symmetric_memory"
+  flag = bn.RAGGED_XLA_MODES[mode]
+  xla = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  argv = ["--tokens", str(tokens), "--impls", impl, "--no-ragged-modes"] + (
+      ["--quick"] if quick else [])
+  got, rc, tail = bn.records_from_script(os.path.abspath(__file__), argv, "moe.json", impl,
+                                         {"XLA_FLAGS": xla}, timeout_s)
+  for r in got:
+    r.update(impl=f"{impl}[{mode}]", xla_flags=flag)
+  if not got:
+    why = "flag not accepted" if "nknown" in tail and "flag" in tail else f"rc {rc}"
+    got = [dict(bench="moe_step", impl=f"{impl}[{mode}]", tokens_per_rank=tokens, time_us=None,
+                xla_flags=flag, failed=why, log_tail=tail)]
+  t = got[0].get("time_us")
+  print(f"  {impl} [{mode}] {flag}: " + (f"{t:.1f} us" if t else f"- ({got[0]['failed']})"),
+        flush=True)
+  return got
 
 
 def _plot(records, path) -> None:

@@ -537,27 +537,37 @@ RAGGED_XLA_MODES = {
 }
 
 
-def _records_in_subprocess(shape: "Shape", impl: str, env_extra: dict,
-                           timeout_s: int = 300) -> tuple[list[dict], Optional[int], str]:
-  """(records of `impl`, return code, output tail) from this script run for
-  `impl` alone in a fresh process with `env_extra` in its environment (flags
-  and settings read once per process)."""
+def records_from_script(script: str, argv: list[str], json_name: str, impl: str,
+                        env_extra: dict,
+                        timeout_s: int = 300) -> tuple[list[dict], Optional[int], str]:
+  """(records of `impl`, return code, output tail) from a benchmark script run
+  in a fresh process with `env_extra` in its environment (XLA_FLAGS and
+  jax_ep's settings are read once per process) and `--out` a temporary
+  directory, where it writes `json_name`."""
   import tempfile
   env = dict(os.environ, **env_extra)
   with tempfile.TemporaryDirectory() as tmp:
-    cmd = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--tokens",
-           str(shape.tokens), "--impls", impl, "--no-ragged-modes", "--only-out"]
+    cmd = [sys.executable, script, "--out", tmp, *argv]
     try:
       res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
       rc, tail = res.returncode, (res.stdout + res.stderr)[-600:]
     except subprocess.TimeoutExpired:
       rc, tail = None, f"timed out after {timeout_s} s"
     got = []
-    path = os.path.join(tmp, "normal.json")
+    path = os.path.join(tmp, json_name)
     if rc == 0 and os.path.exists(path):
       with open(path) as fh:
         got = [r for r in json.load(fh) if r.get("impl") == impl]
   return got, rc, tail
+
+
+def _records_in_subprocess(shape: "Shape", impl: str, env_extra: dict,
+                           timeout_s: int = 300) -> tuple[list[dict], Optional[int], str]:
+  """records_from_script of this script run for `impl` alone."""
+  return records_from_script(os.path.abspath(__file__),
+                             ["--tokens", str(shape.tokens), "--impls", impl,
+                              "--no-ragged-modes", "--only-out"],
+                             "normal.json", impl, env_extra, timeout_s)
 
 
 def register_copy(shape: "Shape") -> list[dict]:

@@ -204,6 +204,38 @@ def test_ragged_modes_run_each_flag_in_its_own_process_and_record_refusals(monke
   print(bn._table(recs))
 
 
+def test_moe_ragged_layer_runs_again_under_the_symmetric_memory_flag(monkeypatch):
+  """bench_moe's MaxText-style layer, once more in its own process with the
+  symmetric-memory flag: the record is renamed and carries the flag; a
+  refused flag gives a record that says so."""
+  import json
+  import subprocess
+  import types
+  bm = _bench("bench_moe")
+  seen = []
+
+  def fake_run(cmd, env, capture_output, text, timeout, accept=True):
+    seen.append((cmd, env["XLA_FLAGS"]))
+    if not accept:
+      return types.SimpleNamespace(returncode=1, stdout="",
+                                   stderr="Unknown flag in XLA_FLAGS: ...")
+    out = cmd[cmd.index("--out") + 1]
+    with open(os.path.join(out, "moe.json"), "w") as f:
+      json.dump([dict(bench="moe_step", impl="jax_native_ragged_a2a", tokens_per_rank=512,
+                      time_us=9876.0)], f)
+    return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  (rec,) = bm.symmetric_memory_ragged(512, quick=True)
+  cmd, flags = seen[-1]
+  assert flags.endswith(_bench_normal().RAGGED_XLA_MODES["symmetric_memory"])
+  assert cmd[cmd.index("--impls") + 1] == "jax_native_ragged_a2a" and "--no-ragged-modes" in cmd
+  assert rec["impl"] == "jax_native_ragged_a2a[symmetric_memory]" and rec["time_us"] == 9876.0
+  monkeypatch.setattr(subprocess, "run", lambda *a, **k: fake_run(*a, **k, accept=False))
+  (rec,) = bm.symmetric_memory_ragged(512, quick=True)
+  assert rec["time_us"] is None and rec["failed"] == "flag not accepted"
+
+
 def test_register_copy_runs_jax_ep_in_a_process_with_bulk_copies_off(monkeypatch):
   """jax_ep_regcopy is what its name says: jax_ep's dispatch in a process
   where JAX_EP_BULK=0 (read once per process) selects the register

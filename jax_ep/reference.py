@@ -14,6 +14,7 @@ give +0.0). On GPU, XLA keeps the product and the add apart, as the kernels do
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -46,20 +47,43 @@ def axis_size(axis_name: str) -> int:
         f"name that axis ({e})") from e
 
 
+def _moved(move, x: Array, *args) -> Array:
+  """move(x, *args) for a pure data movement (gather, all-gather,
+  all-to-all): FP8 and bf16 travel as their bits. XLA:CPU computes bf16
+  collectives and selects through f32, which rewrites NaN payloads (quiet,
+  canonical); dispatch moves payloads bit for bit."""
+  if x.dtype == _fp8.FP8_DTYPE:  # forward-only: nothing differentiates through FP8
+    return lax.bitcast_convert_type(move(lax.bitcast_convert_type(x, jnp.uint8), *args), x.dtype)
+  if x.dtype == jnp.bfloat16:
+    return _bits_moved(move, x, *args)
+  return move(x, *args)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _bits_moved(move, x: Array, *args) -> Array:
+  """move on x's bits (16-bit floats); tangents move as values."""
+  return lax.bitcast_convert_type(move(lax.bitcast_convert_type(x, jnp.uint16), *args), x.dtype)
+
+
+@_bits_moved.defjvp
+def _bits_moved_jvp(move, primals, tangents):
+  x, *args = primals
+  return _bits_moved(move, x, *args), move(tangents[0], *args)
+
+
+def _take_fill(a: Array, rows: Array) -> Array:
+  return jnp.take(a, rows, axis=0, mode="fill", fill_value=0)
+
+
 def _gather(x: Array, axis_name: str) -> Array:
-  """[...] on every rank -> [R, ...]; FP8 travels as bytes."""
-  if x.dtype == _fp8.FP8_DTYPE:
-    g = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint8), axis_name)
-    return lax.bitcast_convert_type(g, _fp8.FP8_DTYPE)
-  return lax.all_gather(x, axis_name)
+  """[...] on every rank -> [R, ...]; FP8 and bf16 travel as bits."""
+  return _moved(functools.partial(lax.all_gather, axis_name=axis_name), x)
 
 
 def _exchange(x: Array, axis_name: str) -> Array:
   """x[j] goes to rank j; returns out[j] = x_j[this rank]."""
-  if x.dtype == _fp8.FP8_DTYPE:
-    y = lax.all_to_all(lax.bitcast_convert_type(x, jnp.uint8), axis_name, 0, 0)
-    return lax.bitcast_convert_type(y, _fp8.FP8_DTYPE)
-  return lax.all_to_all(x, axis_name, 0, 0)
+  return _moved(functools.partial(lax.all_to_all, axis_name=axis_name, split_axis=0,
+                                  concat_axis=0), x)
 
 
 def _take_rows(table: Array, rows: Array) -> Array:
@@ -68,10 +92,7 @@ def _take_rows(table: Array, rows: Array) -> Array:
     return jnp.zeros(rows.shape + table.shape[1:], table.dtype)
   # jnp.take wraps negative indices even with mode="fill": move them past the end.
   rows = jnp.where(rows < 0, table.shape[0], rows)
-  if table.dtype == _fp8.FP8_DTYPE:
-    g = jnp.take(lax.bitcast_convert_type(table, jnp.uint8), rows, axis=0, mode="fill", fill_value=0)
-    return lax.bitcast_convert_type(g, _fp8.FP8_DTYPE)
-  return jnp.take(table, rows, axis=0, mode="fill", fill_value=0)
+  return _moved(_take_fill, table, rows)
 
 
 def _map_payload(fn, x: Any) -> Any:

@@ -3,6 +3,7 @@ FP8 payloads (tuple moved bitwise, cast inside), capacity, cached dispatch."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -284,21 +285,79 @@ def test_zero_tokens_per_rank_gives_empty_outputs(layout):
     assert not out[3].any()
 
 
+# Special values by their bits: quiet NaNs with a payload, of either sign, a
+# signalling NaN, +-Inf and -0.
+_SPECIAL_BITS = {
+    F32: dict(nan=[0x7FC01234, 0xFFC00001, 0x7F800001], pinf=[0x7F800000], ninf=[0xFF800000],
+              nzero=[0x80000000]),
+    BF16: dict(nan=[0x7FC1, 0xFFC3, 0x7F81], pinf=[0x7F80], ninf=[0xFF80], nzero=[0x8000]),
+}
+
+
+def _with_special_values(x, rng):
+    """x [R, T, H] with NaNs, +Inf, -Inf and -0 set by their bits, each kind
+    in tokens of its own (one element per token); returns x and
+    {kind: [(s, t, c), ...]}."""
+    x = x.copy()
+    R, T, H = x.shape
+    u = x.view(np.uint32 if x.dtype == F32 else np.uint16)
+    tokens = rng.permutation(R * T)
+    where, i = {}, 0
+    for kind, patterns in _SPECIAL_BITS[np.dtype(x.dtype)].items():
+        for p in patterns:
+            for _ in range(2):
+                s, t = divmod(int(tokens[i]), T)
+                c = int(rng.integers(H))
+                u[s, t, c] = p
+                where.setdefault(kind, []).append((s, t, c))
+                i += 1
+    return x, where
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layout", ["rank", "expert"])
-def test_nan_and_inf_in_the_payload_pass_through_unchanged(layout):
-    """Dispatch moves bits: NaN (with its payload bits), +-Inf and -0 arrive
-    as they left; combine then carries them into the tokens' sums."""
-    R, T, K, E, H = 2, 8, 2, 8, 128
-    rng = np.random.default_rng(4321)
+def test_nan_and_inf_in_the_payload_pass_through_unchanged(layout, dtype):
+    """Dispatch moves bits: NaNs (quiet with a payload, negative, signalling),
+    +-Inf and -0 arrive as they left. Combine (positive weights) carries
+    them into their own token's sum only: NaN where a row of the token has
+    a NaN in that column, +-Inf likewise, every other element finite and
+    equal to the oracle's sum."""
+    R, T, K, E, H = 4, 16, 3, 8, 128
+    rng = np.random.default_rng(oracle.stable_seed("nan-inf", layout, dtype.name))
     idx, w = oracle.make_topk(rng, R, T, K, E, drop=0.0)
-    x = oracle.make_x(rng, (R, T, H), F32)
-    x[0, 1, 3] = np.nan
-    x[1, 2, 0] = np.inf
-    x[1, 5, 7] = -np.inf
-    x[0, 6, 9] = -0.0
-    out = _dispatch(R, E, x, idx, w, layout=layout)
+    x, where = _with_special_values(oracle.make_x(rng, (R, T, H), dtype), rng)
+
+    def fn(x, i, w):
+        o = jax_ep.dispatch(x, i, w, num_experts=E, axis_name="ep", layout=layout)
+        rw = o.recv_topk_weights if layout == "expert" else jnp.where(o.handle.recv_src_rank >= 0, 0.75, 0.0)
+        return o.recv_x, jax_ep.combine(o.recv_x, o.handle, rw, axis_name="ep")
+
+    recv, out = run_sharded(R, fn, x, idx, w)
     exp = (oracle.dispatch_rank((x,), idx, w, E) if layout == "rank"
            else oracle.dispatch_expert((x,), idx, w, E))
     for r in range(R):
-        np.testing.assert_array_equal(bits(out[0][r]), bits(exp[r].payload[0]))
-    assert np.isnan(out[0]).any() and np.isinf(out[0]).any()
+        np.testing.assert_array_equal(bits(recv[r]), bits(exp[r].payload[0]), err_msg=f"dest rank {r}")
+    for kind, n in (("nan", 3), ("pinf", 1), ("ninf", 1), ("nzero", 1)):  # every one arrived
+        for p in _SPECIAL_BITS[np.dtype(dtype)][kind][:n]:
+            assert (bits(recv) == p).sum() >= 2, (kind, hex(p))
+
+    assert out.dtype == dtype and out.shape == (R, T, H)
+    o32 = out.astype(np.float32)
+    want = {k: np.zeros((R, T, H), bool) for k in ("nan", "pinf", "ninf")}
+    for kind in want:
+        for s, t, c in where[kind]:
+            want[kind][s, t, c] = True
+    np.testing.assert_array_equal(np.isnan(o32), want["nan"], err_msg="NaN outputs")
+    np.testing.assert_array_equal(np.isposinf(o32), want["pinf"], err_msg="+Inf outputs")
+    np.testing.assert_array_equal(np.isneginf(o32), want["ninf"], err_msg="-Inf outputs")
+    y = np.stack([d.payload[0] for d in exp])
+    ws = (np.stack([d.topk_weights for d in exp]) if layout == "expert"
+          else np.stack([np.where(np.arange(y.shape[1]) < d.num_rows, 0.75, 0.0) for d in exp]))
+    finite = np.isfinite(o32)
+    for mode in oracle.COMBINE_STEP_MODES:
+        with np.errstate(invalid="ignore"):  # the oracle's own NaN and Inf arithmetic
+            e32 = oracle.combine(y, [d.rows for d in exp], ws, T, mode=mode).astype(np.float32)
+        if np.array_equal(o32[finite], e32[finite]):  # by value: the oracle sums from +0, not -0
+            break
+    else:
+        raise AssertionError("combine: the finite outputs differ from the oracle's sums")

@@ -139,7 +139,7 @@ def test_probe_rejects_a_window_too_small():
 
 def test_using_a_closed_communicator_raises_instead_of_touching_freed_memory():
     """Programs compiled against a Communicator (the probe; a dispatch +
-    combine) refuse to run once it is closed (issue 15 item 4)."""
+    combine) refuse to run once it is closed (docs/design.md §3)."""
     mesh = _mesh_all()
     R = mesh.devices.size
     args, per_rank, need = _dispatch_combine_case(mesh, 11)
@@ -160,7 +160,7 @@ def test_using_a_closed_communicator_raises_instead_of_touching_freed_memory():
 
 
 def test_create_use_close_100_times_under_load_returns_gpu_memory():
-    """Issue 15 item 4: 100 Communicators, one after another, each with a
+    """docs/design.md §3: 100 Communicators, one after another, each with a
     64 MiB window and a dispatch + combine on it (re-traced for each: the
     program names its communicator) whose output must equal the
     reference's bitwise; then every GPU's free memory is back at its
@@ -328,10 +328,10 @@ def test_a_rank_that_refuses_or_differs_makes_its_peers_fail_at_once(mode):
     one's dispatch needs more window than there is, so its handler refuses;
     the others, already in the dispatch's barrier, fail within 0.3 x
     timeout_s naming it (its refusal stands in for its barriers:
-    kernels/abort.h; issue 15 item 2). "mismatch": the last one calls
+    kernels/abort.h; docs/errors.md, its table). "mismatch": the last one calls
     dispatch with half the hidden size (both fit the window); every rank
     reports "hidden 1024 here, 512 on EP rank 1" (or the reverse) with zeros
-    out and no row moved (issue 15 item 3). Then a valid dispatch works on
+    out and no row moved (docs/errors.md, its table). Then a valid dispatch works on
     every process."""
     from conftest import ep_test_gpus
     n = ep_test_gpus()
@@ -348,7 +348,7 @@ def test_a_process_killed_in_a_loop_leaves_a_survivor_that_raises_and_closes():
     dispatches. The survivor raises within 2 x timeout_s ("did not arrive")
     and close() returns within 60 s: after a lost peer the NCCL
     communicators are aborted, not torn down collectively (comm.h Close;
-    issue 15 item 2)."""
+    docs/errors.md, its table)."""
     from conftest import ep_test_gpus
     n = ep_test_gpus()
     if n < 2 or len(jax.devices("cuda")) < n:

@@ -314,7 +314,7 @@ def _format_word(dtype, cast_fp8, layout):
                             "bf16 against f16 is not detected (config_check.cuh)")),
 ], ids=["f32", "fp8_pair", "cast_fp8", "expert_layout", "f16"])
 def test_a_payload_format_mismatch_across_ranks_names_both_values_then_next_call_works(rank0):
-  """Issue 15 item 3, the payload's dtype / format: rank 0 calls dispatch
+  """docs/errors.md (its table), the payload's dtype / format: rank 0 calls dispatch
   with another dtype, FP8 (as a pair or cast in the kernel) or the expert
   layout, rank 1 with bf16 in the rank layout, each with inputs of its own
   (outputs sized for the larger). Both name the format words, then a

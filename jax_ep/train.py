@@ -178,14 +178,18 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
   def publish(model):  # the Engram table as it is now (None without Engram)
     return model.engram.publish() if model.engram is not None else None
 
-  @jax.jit
-  def step(state, published, tokens):
+  def step_fn(state, published, tokens):
     model, opt = nnx.merge(graph, state)
     loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens, published)
     opt.update(model, grads)
     return loss, nnx.state((model, opt)), publish(model)
 
   published = jax.jit(lambda state: publish(nnx.merge(graph, state)[0]))(state)
+  # The step returns its state and publication placed as it takes them, so
+  # every step runs the first step's program (on one device XLA would
+  # otherwise hand back single-device shardings and compile a second one).
+  shardings = jax.tree.map(lambda a: a.sharding, (state, published))
+  step = jax.jit(step_fn, out_shardings=(None, *shardings))
 
   perm = task_permutation(args.vocab, seed=args.seed)
   rng = np.random.default_rng(args.seed + 1)

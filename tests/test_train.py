@@ -70,6 +70,19 @@ def test_engram_run_carries_one_publication_per_step_and_compiles_once(tmp_path)
   assert result["max_relative_loss_difference"] < 1e-3
 
 
+def test_one_device_run_compiles_the_step_once(tmp_path):
+  """On one device (a one-GPU machine, EP1) the step's outputs came back
+  with single-device shardings and the second step compiled again; the step
+  now returns its state placed as it takes it."""
+  js = tmp_path / "one.json"
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES="1")
+  r = subprocess.run([sys.executable, "-m", "jax_ep.train", "--cpu-devices", "1", "--steps", "3",
+                      *TINY, "--batch", "4", "--engram", "--json", str(js), "--no-plot"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads(js.read_text())["runs"]["reference"]["compiled_programs"] == 1
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -18,8 +18,9 @@ the axis, the table's rows suit the kernel and the window holds it (with
 and published, tables side by side, FP8, bad indices) passed at EP1 on one
 H200 and on virtual ranks; the fused publish + fetch also at EP2 (session 2),
 the published-table path not yet (benchmarks/RESULTS.md). A fetch from a
-publication whose Communicator was closed or replaced raises. The table gradient sums the row cotangents into
-the owner's shard in (source rank, token, slot) order: the reference's
+publication whose Communicator was closed or replaced raises. The table
+gradient sums the row cotangents into the owner's shard in (source rank,
+token, slot) order: the reference's
 scatter on CPU, a per-row sum kernel on the kernels' path (XLA's GPU
 scatter-add has no fixed order).
 """

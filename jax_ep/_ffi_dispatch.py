@@ -49,7 +49,9 @@ def window_bytes_needed(*, num_ranks: int, tokens_per_rank: int, hidden: int, to
              _combine_window_end(num_ranks, tokens_per_rank, hidden, topk, y_bytes))
 
 
-_OP_AREA = _native.WINDOW_HEADER_BYTES + 4 * 8 * 4096  # + chunk counters (window_layout.h kOpAreaOffset)
+# window_layout.h kOpAreaOffset: the header, then u32 chunk counters
+# [kMaxRanks][kChunksPerSource].
+_OP_AREA = _native.WINDOW_HEADER_BYTES + 4 * _native.MAX_RANKS * _native.CHUNKS_PER_SOURCE
 
 
 def dispatch_window_end(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,

@@ -17,6 +17,13 @@ _registered = False
 # flags): the one Python copy of ffi/kernels/common.cuh kWindowHeaderBytes,
 # tested against the built module's `window_header_bytes`.
 WINDOW_HEADER_BYTES = 4096
+# Ranks per EP group the kernels' per-peer arrays hold (common.cuh kMaxRanks)
+# and chunk counters per source rank (window_layout.h kChunksPerSource): the
+# one Python copies, tested against the module's `max_ranks` /
+# `chunks_per_source` (tests/test_window_bytes.py). Written here, not read
+# from the module, so the package imports and sizes windows without it.
+MAX_RANKS = 8
+CHUNKS_PER_SOURCE = 4096
 
 TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch",
            "jax_ep_combine", "jax_ep_engram_publish", "jax_ep_engram_fetch",

@@ -32,7 +32,7 @@ _GRANULE = 2 << 20
 _HEADER_BYTES = _native.WINDOW_HEADER_BYTES
 MIN_NUM_BYTES = _GRANULE
 DEFAULT_NUM_BYTES = 1 << 30
-MAX_RANKS = 8
+MAX_RANKS = _native.MAX_RANKS
 TRANSPORTS = ("auto", "gin", "gin_emulated")  # Communicator.create(transport=...)
 
 _registry_lock = threading.Lock()
@@ -56,7 +56,7 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   (`_ffi_low_latency.window_bytes_needed`, the mirror of
   ffi/kernels/low_latency.cuh: two buffers of [E_l, R, max_tokens] rows and
   the combine's [max_tokens, K] rows) and what the composition over the
-  normal kernels needs. Rounded up to NCCL's 2 MiB granule; includes the
+  normal kernels needs (the normal-mode hint for the same config). Rounded up to NCCL's 2 MiB granule; includes the
   4 KiB runtime header.
 
   engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
@@ -80,10 +80,11 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
     return _round_up(base + tables, _GRANULE)
   if low_latency:
     from jax_ep._ffi_low_latency import window_bytes_needed as ll_kernel_bytes
-    row = h * dtype_bytes + k * 8 + (h // 128) * 4 + 64
-    e_l = max(1, e // r)
-    via_normal = _HEADER_BYTES + e_l * r * t * (row + h * out_bytes)
     kernels = ll_kernel_bytes(num_ranks=r, max_tokens=t, hidden=h, topk=k, num_experts=e)
+    # The composition (ops/_low_latency_normal.py) runs the normal kernels on
+    # at most max_tokens tokens: their need, below.
+    via_normal = get_buffer_size_hint(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k,
+                                      num_experts=e, dtype_bytes=dtype_bytes)
     return _round_up(max(via_normal, kernels), _GRANULE)
   from jax_ep._ffi_dispatch import window_bytes_needed
   need = window_bytes_needed(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,

@@ -4,7 +4,8 @@
 `_ffi_dispatch.window_bytes_needed`, a Python mirror of window_layout.h; a
 mirror that under-counts makes every dispatch fail with "window too small".
 This compares the two over shapes that exercise each term (ranks, tokens,
-hidden, top-k, experts, dtype bytes, FP8)."""
+hidden, top-k, experts, dtype bytes, FP8), and likewise the low-latency
+(low_latency.cuh) and Engram (engram_layout.h EngramWindow::need) mirrors."""
 from __future__ import annotations
 
 import itertools
@@ -42,7 +43,30 @@ def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved
   assert got == want, (R, M, H, K, E, reserved, got, want)
 
 
+@pytest.mark.parametrize("rows,dim", [(0, 8), (1, 8), (1000, 256), (4097, 7168), (7, 24)])
+def test_engram_window_formula_equals_kernel_layout(rows, dim):
+  import jax.numpy as jnp
+  from jax_ep import _ffi_engram
+  m = _native.module()
+  for dtype, reserved, end in itertools.product(
+      (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn),
+      (0, 1, 4095, 4096, 4097, 12345, (1 << 28) + 3), (0, 256, 1 << 20, 777)):
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    want = m.engram_window_bytes(rows, row_bytes, reserved, end)
+    got = _ffi_engram.window_bytes_needed(rows_per_rank=rows, dim=dim, dtype=dtype,
+                                          reserved_bytes=reserved, table_end_offset=end)
+    assert got == want, (rows, dim, dtype, reserved, end, got, want)
+
+
 def test_the_window_header_size_is_the_native_one():
   """The header size is written once per language (docs/design.md §3, the
   window layout)."""
   assert _native.WINDOW_HEADER_BYTES == _native.module().window_header_bytes
+
+
+def test_the_window_layout_constants_are_the_native_ones():
+  """The chunk-counter region (4 * MAX_RANKS * CHUNKS_PER_SOURCE bytes after
+  the header) and the rank limit are written once per language."""
+  m = _native.module()
+  assert _native.CHUNKS_PER_SOURCE == m.chunks_per_source
+  assert _native.MAX_RANKS == m.max_ranks

@@ -16,6 +16,7 @@
 #include "comm.h"
 #include "handlers/state.h"
 #include "kernels/gin.cuh"
+#include "kernels/engram_layout.h"
 #include "kernels/grouped_gemm.h"
 #include <algorithm>
 #include "kernels/low_latency.cuh"
@@ -399,6 +400,20 @@ void RegisterCudaBindings(nb::module_& m) {
       "jax_ep._ffi_dispatch.window_bytes_needed must agree with it.");
 
   m.def(
+      "engram_window_bytes",
+      [](int64_t rows_per_rank, int64_t row_bytes, int64_t reserved_bytes, int64_t end_offset) {
+        return jax_ep::EngramWindow(0, rows_per_rank, static_cast<size_t>(row_bytes),
+                                    static_cast<size_t>(reserved_bytes),
+                                    static_cast<size_t>(end_offset))
+            .need;
+      },
+      nb::arg("rows_per_rank"), nb::arg("row_bytes"), nb::arg("reserved_bytes") = 0,
+      nb::arg("end_offset") = 0,
+      "Smallest window that holds an Engram table shard above reserved_bytes "
+      "(EngramWindow::need, kernels/engram_layout.h); "
+      "jax_ep._ffi_engram.window_bytes_needed must agree with it.");
+
+  m.def(
       "grouped_gemm_workspace_bytes",
       [](int kind, bool out_f32, int num_groups, int sms, int64_t rows, int64_t hidden) {
         jax_ep::GroupedGemmArgs g;
@@ -419,5 +434,6 @@ void RegisterCudaBindings(nb::module_& m) {
   m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);
   m.attr("window_header_bytes") = jax_ep::kWindowHeaderBytes;
   m.attr("chunks_per_source") = jax_ep::kChunksPerSource;
+  m.attr("max_ranks") = jax_ep::kMaxRanks;
   RegisterLoopbackBindings(m);
 }

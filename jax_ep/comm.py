@@ -56,8 +56,8 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   (`_ffi_low_latency.window_bytes_needed`, the mirror of
   ffi/kernels/low_latency.cuh: two buffers of [E_l, R, max_tokens] rows and
   the combine's [max_tokens, K] rows) and what the composition over the
-  normal kernels needs (the normal-mode hint for the same config). Rounded up to NCCL's 2 MiB granule; includes the
-  4 KiB runtime header.
+  normal kernels needs (the normal-mode hint for the same config). Rounded
+  up to NCCL's 2 MiB granule; includes the 4 KiB runtime header.
 
   engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
   will be published side by side (engram_publish(..., above=...)) in the

@@ -20,8 +20,9 @@ back-to-back (each call chained to the previous one through
 lax.optimization_barrier so XLA cannot hoist or merge them), divided by `iters`.
 --sweep sizes `iters` per variant and size (chain_calls: at least 50 calls and
 about 50 ms of their work per step, so the step's own launch + sync is spread
-thin at the small sizes), keeps one digest of the outputs per step instead of
-all of them, and records the profiler's kernel time per call of jax_ep.
+thin at the small sizes), keeps one digest of jax_ep's outputs per step
+instead of all of them (XLA's baselines keep all: XLA could shrink them to
+the digest), and records the profiler's kernel time per call of jax_ep.
 
   python benchmarks/bench_normal.py [--quick] [--sweep] [--out DIR]
 """
@@ -640,12 +641,13 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
   # (docs/design.md §6).
   pending = []
 
-  # The sweep's long chains keep one small digest per step, not every call's
-  # outputs (up to SWEEP_MAX_CALLS of them).
-  digest = mesh if sweep else None
-
   def bench(name, impl, dtype, fn, args, row_bytes, nsms=None, per_expert=False):
     label = f"{name}/{impl}/{dtype}"
+    # The sweep's long chains of jax_ep's ops keep one small digest per step,
+    # not every call's outputs (up to SWEEP_MAX_CALLS of them). XLA's own
+    # pipelines keep every output: under a digest XLA may shrink their
+    # gathers and scatters to the digested elements (RESULTS.md, session 17).
+    digest = mesh if sweep and impl.startswith("jax_ep") else None
     try:
       iters, reps = _adaptive_iters(fn, args, quick, sweep=sweep, digest=digest)
       jstep = _chain(fn, iters, digest)

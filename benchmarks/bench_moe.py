@@ -611,7 +611,7 @@ def symmetric_memory_ragged(tokens: int, *, quick: bool, timeout_s: int = 400) -
   for r in got:
     r.update(impl=f"{impl}[{mode}]", xla_flags=flag)
   if not got:
-    why = "flag not accepted" if "nknown" in tail and "flag" in tail else f"rc {rc}"
+    why = bn.failure_reason(rc, tail)
     got = [dict(bench="moe_step", impl=f"{impl}[{mode}]", tokens_per_rank=tokens, time_us=None,
                 xla_flags=flag, failed=why, log_tail=tail)]
   t = got[0].get("time_us")

@@ -562,6 +562,12 @@ def records_from_script(script: str, argv: list[str], json_name: str, impl: str,
   return got, rc, tail
 
 
+def failure_reason(rc: Optional[int], tail: str) -> str:
+  """Why a fresh-process run gave no records: a refused XLA flag (the
+  backend aborts at start-up on an unknown one) or its return code."""
+  return "flag not accepted" if "nknown" in tail and "flag" in tail else f"rc {rc}"
+
+
 def _records_in_subprocess(shape: "Shape", impl: str, env_extra: dict,
                            timeout_s: int = 300) -> tuple[list[dict], Optional[int], str]:
   """records_from_script of this script run for `impl` alone."""
@@ -593,7 +599,7 @@ def ragged_modes(shape: "Shape", out_dir: str, timeout_s: int = 300) -> list[dic
     for r in got:
       r.update(impl=f"jax_ragged_all_to_all[{mode}]", xla_flags=flag)
     if not got:
-      why = "flag not accepted" if "nknown" in tail and "flag" in tail else f"rc {rc}"
+      why = failure_reason(rc, tail)
       got = [dict(bench="normal_dispatch", impl=f"jax_ragged_all_to_all[{mode}]", dtype="bf16",
                   tokens_per_rank=shape.tokens, ranks=shape.ranks, time_us=None,
                   xla_flags=flag, failed=why, log_tail=tail)]

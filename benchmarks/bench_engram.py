@@ -9,6 +9,8 @@ table (no -1: never time zeros). Measured in the same process run:
   jax_ep_fetch    the fetch kernel alone, on a table published once before
                   timing (the inference case: publish once, fetch many times)
   jax_ep_publish  the publish alone (barrier, cudaMemcpyAsync, barrier)
+  jax_ep_fetch_checked  jax_ep_fetch (bf16) on a checked Communicator
+                  (docs/errors.md), for checked mode's cost
   d2d_memcpy      (bench = engram_publish) a device-to-device cudaMemcpyAsync
                   of the shard's bytes: the publish's bar is 0.8 x its rate
   reference       engram_fetch(backend="reference"): request/response
@@ -201,6 +203,20 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
             f"{pub_t if pub_t is None else round(pub_t, 1)} us "
             f"(x{(us / pub_t) if pub_t else float('nan'):.2f} of the memcpy rate)", flush=True)
       comm.check()
+  finally:
+    comm.close()
+  # Checked mode (docs/errors.md): the same fetch from a publication of a
+  # checked Communicator, whose every op waits for its kernels and fails the
+  # program that caused an error; its cost against jax_ep_fetch above.
+  comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=window_bytes(shape), checked=True)
+  try:
+    cid = comm.comm_id
+    token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))(table))
+    bench("jax_ep_fetch_checked", "bf16",
+          smap(lambda tok, i: _ffi_engram.fetch_cuda(tok, i, rows_per_rank=shape.rows_per_rank, dim=d,
+                                                     dtype=table.dtype, comm_id=cid)),
+          (token, idx), d * 2, None, kernel="EngramFetchKernel")
+    comm.check()
   finally:
     comm.close()
   return results

@@ -9,6 +9,8 @@ Measured in the same process run:
   jax_ep_kernels_split  as *_start + *_done; each first checked against the
                   reference (counts, valid rows, combine bits) and left out,
                   saying why, if it disagrees
+  jax_ep_kernels_checked  the fused kernels on a checked Communicator
+                  (docs/errors.md), for checked mode's cost
   reference       low_latency_*(backend="reference")
   jax_all_to_all  one row per (token, rank) + dense lax.all_to_all (the
                   strongest JAX-native pipeline of bench_normal), dispatch and
@@ -106,6 +108,25 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
     yd = jax.jit(fd)(x, topk_idx)
     fdc = smap(functools.partial(bench_normal._dense_all_to_all_combine, shape=shape, axis="ep"))
     bench("low_latency_combine", "jax_all_to_all", "bf16", fdc, (yd, topk_idx, w), bf16_row)
+    comm.check()
+  finally:
+    comm.close()
+  # Checked mode (docs/errors.md): the fused kernels again on a checked
+  # Communicator (every op waits for its kernels and fails the program that
+  # caused an error); their cost against jax_ep_kernels above.
+  comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes, checked=True)
+  try:
+    from jax_ep.ops import low_latency as ll
+    kd = dict(kw, reserved_bytes=reserved)
+    bench("low_latency_dispatch", "jax_ep_kernels_checked", "bf16",
+          smap(lambda x, i: ll.kernel_dispatch(x, i, **kd).recv_x), (x, topk_idx), bf16_row,
+          chain=KERNEL_CHAIN, kernel="LlDispatchKernel")
+    o = jax.jit(smap(lambda x, i: ll.kernel_dispatch(x, i, **kd)))(x, topk_idx)
+    y = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw).recv_x))(
+        x, topk_idx)
+    bench("low_latency_combine", "jax_ep_kernels_checked", "bf16",
+          smap(lambda y, i, w, hd: ll.kernel_combine(y, i, w, hd, reserved_bytes=reserved)),
+          (y, topk_idx, w, o.handle), bf16_row, chain=KERNEL_CHAIN, kernel="LlCombineKernel")
     comm.check()
   finally:
     comm.close()

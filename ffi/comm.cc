@@ -332,6 +332,28 @@ DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
 }
 
 namespace {
+// What each field of an op's OpConfig record means (the kernels that fill
+// them: dispatch.cu, combine.cu, low_latency.cu, engram.cu); null: unused.
+const char* const* ConfigFieldNames(uint32_t op) {
+  static const char* const kNormal[kOpConfigFields] = {
+      "tokens per rank", "hidden", "topk", "num_experts",
+      "format (payload bytes | fp8 << 8 | expert layout << 16)"};
+  static const char* const kLowLatency[kOpConfigFields] = {
+      "tokens per rank", "hidden", "topk", "num_experts", "max_tokens",
+      "low-latency area offset / 256 (from reserved_bytes)", "fp8"};
+  static const char* const kEngram[kOpConfigFields] = {"rows per rank", "row bytes",
+                                                        "table offset / 16 (from reserved_bytes)"};
+  static const char* const kNone[kOpConfigFields] = {};
+  switch (static_cast<Op>(op)) {
+    case Op::kDispatch:
+    case Op::kCombine: return kNormal;
+    case Op::kLowLatencyDispatch:
+    case Op::kLowLatencyCombine: return kLowLatency;
+    case Op::kEngramFetch: return kEngram;
+    default: return kNone;
+  }
+}
+
 // ": hidden 7168 here, 4096 on EP rank 1; ..." from the two records the
 // kernel left next to the status word (config_check.cuh); it wrote them
 // before the word, so they are complete once the word is seen.
@@ -345,18 +367,22 @@ std::string ConfigMismatchDetail(uint32_t* status_host, int peer) {
     src[i] = 0;
   }
   const std::string there = " on EP rank " + std::to_string(peer);
-  if (rec[0][0] != rec[1][0] || rec[0][1] != rec[1][1]) {
-    return ": EP rank " + std::to_string(peer) + " is not in this op at this point (the ranks "
-           "called jax_ep ops in different orders)";
+  if (rec[1][1] == 0) {  // a GIN peer's record is not mapped here (ReadConfig)
+    return ": EP rank " + std::to_string(peer) + "'s values are not readable from here (GIN)";
   }
-  static const char* const kNames[kOpConfigFields] = {
-      "tokens per rank", "hidden", "topk", "num_experts",
-      "format (payload bytes | fp8 << 8 | expert layout << 16)"};
+  if (rec[0][1] != rec[1][1] || rec[0][0] != rec[1][0]) {
+    // Another op's record, or another call's: the peer is elsewhere (ops
+    // with a barrier: the ranks called ops in different orders), or it
+    // went on to its next call before its record could be read.
+    return ": EP rank " + std::to_string(peer) + " is in another call at this point (the ranks "
+           "called jax_ep ops in different orders, or it went on before its values could be read)";
+  }
+  const char* const* names = ConfigFieldNames(rec[0][1]);
   std::string out;
   for (int i = 0; i < kOpConfigFields; ++i) {
     if (rec[0][2 + i] == rec[1][2 + i]) continue;
-    out += (out.empty() ? ": " : "; ") + std::string(kNames[i]) + " " + std::to_string(rec[0][2 + i]) +
-           " here, " + std::to_string(rec[1][2 + i]) + there;
+    out += (out.empty() ? ": " : "; ") + std::string(names[i] ? names[i] : "field") + " " +
+           std::to_string(rec[0][2 + i]) + " here, " + std::to_string(rec[1][2 + i]) + there;
   }
   return out;
 }

@@ -49,10 +49,10 @@ constexpr int kLsaBarrierCount = 64;
 // Device-local counters, zeroed at create. Slot 0 backs EpPeers.epoch, slot
 // 1 the dispatch prep blocks (kDispatchPrepCounter), 2..15 the low-latency
 // kernels (low_latency.cuh), 16..25 the expert-layout combine's scanners
-// (common.cuh), slots from kGinSnapshotCounter on EpPeers.gin_snapshot
-// (kMaxRanks * 32 of them, gin.cuh's kGinSignalCount), then the Engram
-// version words (engram.cuh); 26..63 are free for kernels that need scratch
-// counters.
+// (common.cuh), 26 the low-latency mismatch flag (low_latency.cuh), slots
+// from kGinSnapshotCounter on EpPeers.gin_snapshot (kMaxRanks * 32 of them,
+// gin.cuh's kGinSignalCount), then the Engram version words (engram.cuh);
+// 27..63 are free for kernels that need scratch counters.
 constexpr int kGinSnapshotCounter = 64;
 static_assert(kCombineScanDoneCounter < kGinSnapshotCounter, "scanner counters overlap the GIN snapshot");
 constexpr int kEngramVersionCounter = kGinSnapshotCounter + kMaxRanks * 32;

@@ -49,10 +49,15 @@ def window_bytes_needed(*, num_ranks: int, max_tokens: int, hidden: int, topk: i
   return base + 2 * disp + 2 * comb
 
 
-def kernels_take(x_dtype, hidden: int, fp8: bool, topk: int) -> bool:
+# The kernels' count words hold a (expert, source) row count in 16 bits
+# (kLlMaxTokens in ffi/kernels/low_latency.cuh).
+MAX_TOKENS = 0xFFFF
+
+
+def kernels_take(x_dtype, hidden: int, fp8: bool, topk: int, max_tokens: int) -> bool:
   """Whether the kernels handle this input (else the caller falls back)."""
   return (jnp.dtype(x_dtype) == jnp.bfloat16 and 1 <= topk <= 32 and
-          hidden % (128 if fp8 else 8) == 0)
+          hidden % (128 if fp8 else 8) == 0 and max_tokens <= MAX_TOKENS)
 
 
 _TOKEN = jax.ShapeDtypeStruct((1,), jnp.int32)

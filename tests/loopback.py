@@ -105,7 +105,7 @@ class Loopback:
     return self.run("dispatch", scalars, inputs, outputs, check=check, skip=skip, overrides=overrides)
 
   def combine(self, y, weights, handles: list, idx, *, E: int, layout: str, num_sms: int = 0,
-              check: bool = True, skip=()):
+              check: bool = True, skip=(), overrides: dict | None = None):
     """y [R, C, H]; weights [R, C] or None; handles: per rank the dispatch's
     outputs (pos_in_rank, recv_src_*, recv_counts); idx [R, T, K]."""
     R, C, H = y.shape
@@ -119,12 +119,13 @@ class Loopback:
       inputs.append(d)
     scalars = dict(y_dtype=_DTYPE_CODE[np.dtype(y.dtype)], num_tokens=T, hidden=H, topk=K,
                    num_experts=E, capacity=C, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
-    outs, reports = self.run("combine", scalars, inputs, dict(out=((T, H), y.dtype)), check=check, skip=skip)
+    outs, reports = self.run("combine", scalars, inputs, dict(out=((T, H), y.dtype)), check=check, skip=skip,
+                             overrides=overrides)
     if skip:
       return [o.get("out") for o in outs], reports
     return np.stack([o["out"] for o in outs]), reports
 
-  def engram(self, table, indices, *, num_sms: int = 0, check: bool = True):
+  def engram(self, table, indices, *, num_sms: int = 0, check: bool = True, overrides: dict | None = None):
     """Publish then fetch. table [V, D], rank s holding rows [s V/R, (s+1)
     V/R); indices [R, T, e] global ids in [-1, V). Returns (rows [R, T, e,
     D], tokens [R], reports)."""
@@ -136,12 +137,13 @@ class Loopback:
     inputs = [dict(table=shards[r], indices=indices[r].astype(np.int32).reshape(-1)) for r in range(R)]
     scalars = dict(rows_per_rank=rpr, row_bytes=D * table.dtype.itemsize, num_rows=n, num_sms=num_sms)
     outs, reports = self.run("engram", scalars, inputs,
-                             dict(rows=((n, D), table.dtype), token=((1,), np.int32)), check=check)
+                             dict(rows=((n, D), table.dtype), token=((1,), np.int32)), check=check,
+                             overrides=overrides)
     rows = np.stack([o["rows"].reshape(indices.shape[1:] + (D,)) for o in outs])
     return rows, np.array([o["token"][0] for o in outs]), reports
 
   def ll_dispatch(self, x, idx, *, E: int, max_tokens: int, fp8: bool = False, ue8m0: bool = False,
-                  check: bool = True):
+                  check: bool = True, overrides: dict | None = None):
     """x [R, T, H] bf16, idx [R, T, K] -> per rank recv_x [E_l, R*M, H],
     recv_scales (FP8), recv_count [E_l], src_entry [E_l, R*M]."""
     R, T, K = idx.shape
@@ -149,14 +151,15 @@ class Loopback:
     El, RM = E // R, R * max_tokens
     outputs = dict(recv_x=((El, RM, H), FP8 if fp8 else BF16), recv_count=((El,), np.int32),
                    src_entry=((El, RM), np.int32))
-    if fp8:
+    if fp8 or any(o.get("fp8") for o in (overrides or {}).values()):
       outputs["recv_scales"] = ((El, RM, H // 128), np.float32)
     inputs = [dict(x=x[r], topk_idx=idx[r].astype(np.int32)) for r in range(R)]
     scalars = dict(num_tokens=T, max_tokens=max_tokens, hidden=H, topk=K, num_experts=E, fp8=fp8,
                    ue8m0=ue8m0)
-    return self.run("ll_dispatch", scalars, inputs, outputs, check=check)
+    return self.run("ll_dispatch", scalars, inputs, outputs, check=check, overrides=overrides)
 
-  def ll_combine(self, y, idx, w, handles: list, *, E: int, max_tokens: int, check: bool = True):
+  def ll_combine(self, y, idx, w, handles: list, *, E: int, max_tokens: int, check: bool = True,
+                 overrides: dict | None = None):
     """y [R, E_l, R*M, H] bf16; handles: ll_dispatch's outputs per rank."""
     R, T, K = idx.shape
     H = y.shape[3]
@@ -164,5 +167,6 @@ class Loopback:
                    topk_idx=idx[r].astype(np.int32), topk_weights=w[r].astype(np.float32))
               for r in range(R)]
     scalars = dict(num_tokens=T, max_tokens=max_tokens, hidden=H, topk=K, num_experts=E)
-    outs, reports = self.run("ll_combine", scalars, inputs, dict(out=((T, H), BF16)), check=check)
+    outs, reports = self.run("ll_combine", scalars, inputs, dict(out=((T, H), BF16)), check=check,
+                             overrides=overrides)
     return np.stack([o["out"] for o in outs]), reports

@@ -14,6 +14,8 @@ missing fence may pass here), NCCL's windows and XLA. test_gpu_dispatch.py
 and test_gpu_gin_emulated.py run the same kernels across two GPUs."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -202,33 +204,36 @@ LL_CASES = [
 ]
 
 
+def _ll_round(lb, rng, T, H, K, E, mt, fp8, what):
+  """One low-latency dispatch -> combine on fresh inputs against the oracle."""
+  R = lb.R
+  idx, w = oracle.make_topk(rng, R, T, K, E)
+  x = oracle.make_x(rng, (R, T, H), BF16)
+  outs, _ = lb.ll_dispatch(x, idx, E=E, max_tokens=mt, fp8=fp8)
+  payload = oracle.quantize_fp8(x) if fp8 else (x,)
+  disp = oracle.low_latency_dispatch(payload, idx, E, mt)
+  entries = oracle.low_latency_src_entry(disp, T, K, mt)
+  for r, (got, d) in enumerate(zip(outs, disp)):
+    _eq(got["recv_count"], d.count, f"{what} rank {r} recv_count")
+    _eq(got["src_entry"], entries[r], f"{what} rank {r} src_entry")
+    valid = np.arange(R * mt)[None, :] < d.count[:, None]
+    _eq(got["recv_x"][valid], d.payload[0][valid], f"{what} rank {r} recv_x (valid rows)")
+    if fp8:
+      _eq(got["recv_scales"][valid], d.payload[1][valid], f"{what} rank {r} recv_scales")
+  y = oracle.make_x(rng, (R, E // R, R * mt, H), BF16)
+  got, _ = lb.ll_combine(y, idx, w, outs, E=E, max_tokens=mt)
+  oracle.assert_fixed_order_exact(
+      got, lambda m: oracle.low_latency_combine(y, idx, w, disp, mode=m), f"ll combine R={R} {what}")
+
+
 @pytest.mark.parametrize("R,T,H,K,E,mt,fp8", LL_CASES)
 def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, mt, fp8):
   rng = np.random.default_rng(stable_seed("loopback-ll", R, T, H, K, E, mt, fp8))
-  idx, w = oracle.make_topk(rng, R, T, K, E)
-  x = oracle.make_x(rng, (R, T, H), BF16)
-  El = E // R
   nbytes = _ffi_low_latency.window_bytes_needed(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
                                                 num_experts=E)
   with Loopback(R, nbytes) as lb:
     for rnd in range(3):  # both of the kernels' double buffers, and back to the first
-      outs, _ = lb.ll_dispatch(x, idx, E=E, max_tokens=mt, fp8=fp8)
-      payload = oracle.quantize_fp8(x) if fp8 else (x,)
-      disp = oracle.low_latency_dispatch(payload, idx, E, mt)
-      entries = oracle.low_latency_src_entry(disp, T, K, mt)
-      for r, (got, d) in enumerate(zip(outs, disp)):
-        _eq(got["recv_count"], d.count, f"round {rnd} rank {r} recv_count")
-        _eq(got["src_entry"], entries[r], f"round {rnd} rank {r} src_entry")
-        valid = np.arange(R * mt)[None, :] < d.count[:, None]
-        _eq(got["recv_x"][valid], d.payload[0][valid], f"round {rnd} rank {r} recv_x (valid rows)")
-        if fp8:
-          _eq(got["recv_scales"][valid], d.payload[1][valid], f"round {rnd} rank {r} recv_scales")
-      y = oracle.make_x(rng, (R, El, R * mt, H), BF16)
-      got, _ = lb.ll_combine(y, idx, w, outs, E=E, max_tokens=mt)
-      oracle.assert_fixed_order_exact(
-          got, lambda m: oracle.low_latency_combine(y, idx, w, disp, mode=m), f"ll combine R={R} round {rnd}")
-      idx, w = oracle.make_topk(rng, R, T, K, E)
-      x = oracle.make_x(rng, (R, T, H), BF16)
+      _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
 
 
 @pytest.mark.parametrize("R,rpr,D,dtype,T,e,mode", [
@@ -354,6 +359,120 @@ def test_a_payload_format_mismatch_across_ranks_names_both_values_then_next_call
     _round(lb, rng, T, H, K, E, calls[0]["dtype"], "random", calls[0]["layout"],
            cast_fp8=calls[0]["cast_fp8"])
     _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
+def _both_named(reports, name, here, there):
+  """Rank 0 called with `here`, rank 1 with `there`: each names both."""
+  assert f"{name} {here} here, {there} on EP rank 1" in reports[0], reports
+  assert f"{name} {there} here, {here} on EP rank 0" in reports[1], reports
+
+
+# Fields whose difference reaches combine's checks first (the handle's rows
+# are checked before the ok word): the number of tokens and the expert
+# layout are covered by dispatch's test above, where they differ first.
+@pytest.mark.parametrize("field,here,there", [("hidden", 256, 512), ("topk", 2, 4), ("num_experts", 16, 32)])
+def test_a_combine_configuration_mismatch_names_both_values_then_next_call_works(field, here, there):
+  """The digest in combine's ok words (config_check.cuh): both ranks stop
+  before any row moves, name the field, and rank 1 returns zeros."""
+  R, T, H, K, E = 2, 64, 512, 4, 32
+  rng = np.random.default_rng(stable_seed("loopback-combine-mismatch", field))
+  with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0) as lb:
+    payload, idx, w = _inputs(rng, R, T, H, K, 16, "bf16", "random")  # ids valid for E = 16 and 32
+    assert {"hidden": H, "topk": K, "num_experts": E}[field] == there
+    C = R * T
+    outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
+    y = oracle.make_x(rng, (R, C, H), BF16)
+    t0 = time.monotonic()
+    got, reports = lb.combine(y, None, outs, idx, E=E, layout="rank", check=False,
+                              overrides={0: {field: here}})
+    assert time.monotonic() - t0 < 2.5, "a mismatch waited for the timeout"
+    for r in range(R):
+      assert "another configuration" in reports[r], reports
+    _both_named(reports, field, here, there)
+    assert not got[1].any(), "rank 1's combine output is not zeros"
+    _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
+@pytest.mark.parametrize("field,here,name", [("rows_per_rank", 1024, "rows per rank"),
+                                             ("row_bytes", 64, "row bytes")])
+def test_an_engram_publish_of_another_table_shape_names_both_values_then_next_call_works(field, here, name):
+  """The publish compares the ranks' records after its first barrier: the
+  mismatch is named and no version is drawn, so the fetch reads zeros."""
+  R, rpr, D, T, e = 2, 2048, 64, 32, 4
+  V = R * rpr
+  rng = np.random.default_rng(stable_seed("loopback-engram-mismatch", field))
+  with Loopback(R, (1 << 20) + rpr * D * 2, timeout_s=5.0) as lb:
+    table = oracle.make_x(rng, (V, D), BF16)
+    idx = rng.integers(-1, V, size=(R, T, e)).astype(np.int32)
+    there = {"rows_per_rank": rpr, "row_bytes": D * 2}[field]
+    rows, tokens, reports = lb.engram(table, idx, check=False, overrides={0: {field: here}})
+    _both_named(reports, name, here, there)
+    assert (tokens == 0).all(), tokens
+    assert not rows[1].any(), "rank 1 fetched rows from a failed publish"
+    rows, _, _ = lb.engram(table, idx)
+    _eq(rows, oracle.engram_fetch(table, idx), "engram rows after the mismatch")
+
+
+_LL = dict(T=32, H=2048, K=4, E=32, mt=64)
+
+
+def _ll_window(reserved=0):
+  c = _LL
+  return reserved + _ffi_low_latency.window_bytes_needed(num_ranks=2, max_tokens=c["mt"], hidden=c["H"],
+                                                         topk=c["K"], num_experts=c["E"])
+
+
+@pytest.mark.parametrize("field,here,name,values", [
+    ("hidden", 1024, "hidden", (1024, 2048)),           # another layout: the words land elsewhere
+    ("max_tokens", 32, "max_tokens", (32, 64)),
+    ("num_experts", 16, "num_experts", (16, 32)),
+    ("reserved_bytes", 1 << 20, "low-latency area offset / 256 (from reserved_bytes)", (4096, 16)),
+    ("num_tokens", 16, "tokens per rank", (16, 32)),   # the same layout: the digest differs
+    ("fp8", 1, "fp8", (1, 0)),
+])
+def test_a_low_latency_dispatch_configuration_mismatch_names_both_values_then_next_calls_work(
+    field, here, name, values):
+  """config_check.cuh, the low-latency part: on a fresh communicator (both
+  ranks set their layout up), one rank's other configuration is named by
+  both within milliseconds, recv_count is 0, and every rank's next call
+  resets the layout and works."""
+  c = _LL
+  R = 2
+  rng = np.random.default_rng(stable_seed("loopback-ll-mismatch", field))
+  with Loopback(R, _ll_window(1 << 20), timeout_s=5.0) as lb:
+    idx, _ = oracle.make_topk(rng, R, c["T"], c["K"], 16)  # ids valid for E = 16 and 32
+    x = oracle.make_x(rng, (R, c["T"], c["H"]), BF16)
+    t0 = time.monotonic()
+    outs, reports = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"], check=False,
+                                   overrides={0: {field: here}})
+    assert time.monotonic() - t0 < 2.5, "a mismatch waited for the timeout"
+    _both_named(reports, name, *values)
+    assert not outs[1]["recv_count"].any(), outs[1]["recv_count"]
+    for rnd in range(3):
+      _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, f"after the mismatch, round {rnd}")
+
+
+def test_a_low_latency_combine_configuration_mismatch_is_named_and_gives_zeros_then_next_calls_work():
+  """A combine whose token count differs on rank 0 (the layout stays): rank
+  1 names both values through the flag's digest and returns zeros; rank 0
+  fails too (its handle's entries are past its tokens)."""
+  c = _LL
+  R = 2
+  rng = np.random.default_rng(stable_seed("loopback-ll-combine-mismatch"))
+  with Loopback(R, _ll_window(), timeout_s=5.0) as lb:
+    idx, w = oracle.make_topk(rng, R, c["T"], c["K"], c["E"])
+    x = oracle.make_x(rng, (R, c["T"], c["H"]), BF16)
+    outs, _ = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"])
+    y = oracle.make_x(rng, (R, c["E"] // R, R * c["mt"], c["H"]), BF16)
+    t0 = time.monotonic()
+    got, reports = lb.ll_combine(y, idx, w, outs, E=c["E"], max_tokens=c["mt"], check=False,
+                                 overrides={0: {"num_tokens": 16}})
+    assert time.monotonic() - t0 < 2.5, "a mismatch waited for the timeout"
+    assert "tokens per rank 32 here, 16 on EP rank 0" in reports[1], reports
+    assert reports[0], reports
+    assert not got[1].any(), "rank 1's combine output is not zeros"
+    for rnd in range(3):
+      _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, f"after the mismatch, round {rnd}")
 
 
 @pytest.mark.parametrize("R,skip,op", [(2, 1, "dispatch"), (4, 2, "dispatch"), (2, 0, "combine")])

@@ -244,3 +244,20 @@ def test_ll_handle_src_entry_and_recv_count_equal_the_oracle(R, T, K, E, mt):
             np.testing.assert_array_equal(count, want_count, err_msg=f"{how} recv_count, round {rnd}")
         if R > 1 and rnd == 0:  # the routing is as uneven as meant
             assert want_count.max() >= 3 * max(1, want_count.min()), want_count
+
+
+def test_the_kernels_take_max_tokens_up_to_their_16_bit_counts():
+    """ffi/kernels/low_latency.cuh kLlMaxTokens: above it `backend="cuda"`
+    falls back to the ops over the normal kernels, and the kernels' own entry
+    point says why at trace time."""
+    import jax.numpy as jnp
+    from jax_ep import _ffi_low_latency as ffi_ll
+    from jax_ep.ops import low_latency as ll
+    assert ffi_ll.MAX_TOKENS == 0xFFFF
+    assert ffi_ll.kernels_take(jnp.bfloat16, 128, False, 8, ffi_ll.MAX_TOKENS)
+    assert not ffi_ll.kernels_take(jnp.bfloat16, 128, False, 8, ffi_ll.MAX_TOKENS + 1)
+    x = jnp.zeros((4, 128), jnp.bfloat16)
+    i = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="max_tokens <= 65535"):
+        ll._check_kernel_inputs(x, i, False, ffi_ll.MAX_TOKENS + 1)
+    ll._check_kernel_inputs(x, i, False, ffi_ll.MAX_TOKENS)

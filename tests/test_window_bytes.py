@@ -70,3 +70,9 @@ def test_the_window_layout_constants_are_the_native_ones():
   m = _native.module()
   assert _native.CHUNKS_PER_SOURCE == m.chunks_per_source
   assert _native.MAX_RANKS == m.max_ranks
+
+
+def test_the_low_latency_max_tokens_is_the_native_one():
+  """The count words' 16 bits of rows (low_latency.cuh kLlMaxTokens)."""
+  from jax_ep import _ffi_low_latency
+  assert _ffi_low_latency.MAX_TOKENS == _native.module().ll_max_tokens

@@ -435,5 +435,6 @@ void RegisterCudaBindings(nb::module_& m) {
   m.attr("window_header_bytes") = jax_ep::kWindowHeaderBytes;
   m.attr("chunks_per_source") = jax_ep::kChunksPerSource;
   m.attr("max_ranks") = jax_ep::kMaxRanks;
+  m.attr("ll_max_tokens") = jax_ep::kLlMaxTokens;
   RegisterLoopbackBindings(m);
 }

@@ -73,8 +73,7 @@ ffi::Error PlaceTable(const char* op, const DeviceResources& dev, int64_t rows_p
 
 // Checks `table` and fills the publish launch (except the token).
 ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBuffer& table,
-                          int64_t reserved_bytes, int64_t end_offset, EngramPublishArgs* a,
-                          size_t* row_bytes_out) {
+                          int64_t reserved_bytes, int64_t end_offset, EngramPublishArgs* a) {
   const auto td = table.dimensions();
   if (td.size() != 2) return Invalid(op, "table must be the local shard [V/R, D], got " + Dims(td));
   if (!TableDtype(table.element_type()))
@@ -92,13 +91,14 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
   a->table = table.untyped_data();
   a->table_bytes = w.table_bytes;
   a->table_off = w.table_off;
+  a->rows_per_rank = td[0];
+  a->row_bytes = row_bytes;
   a->versions = dev.engram_words();
   a->slot = dev.engram_versions->Publish(a->table_off, a->table_bytes, &a->clear);
   if (a->slot < 0) {
     return Invalid(op, "more than " + std::to_string(kEngramSlots) + " distinct Engram table "
                    "placements (offset, size) on this Communicator; create a new one");
   }
-  *row_bytes_out = row_bytes;
   return ffi::Error::Success();
 }
 
@@ -154,9 +154,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (token->element_count() != 1) return Invalid(kOp, "token must be s32 [1]");
   EngramPublishArgs a;
-  size_t row_bytes = 0;
-  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, table_end_offset, &a,
-                                     &row_bytes);
+  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, table_end_offset, &a);
       err.failure()) {
     return err;
   }
@@ -212,11 +210,9 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
       rows->dimensions()[2] != table.dimensions()[1])
     return Invalid(kOp, "rows must be [T, e, D] with the table's D");
   EngramPublishArgs pa;
-  size_t row_bytes = 0;
   // Every check of both halves runs before anything is enqueued: a failing
   // call enqueues no barrier, so the ranks' barrier sequences stay in step.
-  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, /*end_offset=*/0, &pa,
-                                     &row_bytes);
+  if (ffi::Error err = PreparePublish(kOp, *lease.dev, table, reserved_bytes, /*end_offset=*/0, &pa);
       err.failure()) {
     return err;
   }

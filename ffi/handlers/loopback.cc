@@ -304,6 +304,8 @@ std::string FillEngram(Named& n, EngramPublishArgs& pub, EngramFetchArgs& fetch,
   pub.table = n.In("table");
   pub.table_bytes = w.table_bytes;
   pub.table_off = w.table_off;
+  pub.rows_per_rank = rows_per_rank;
+  pub.row_bytes = row_bytes;
   pub.token = n.OutAs<int32_t>("token");
   pub.versions = versions;
   pub.slot = 0;

@@ -29,6 +29,7 @@
 #include "kernels/low_latency.cuh"
 
 namespace jax_ep {
+static_assert(kLlMismatchCounter < kGinSnapshotCounter, "the low-latency counter slots overlap others (comm.h)");
 namespace {
 
 constexpr const char* kDispatchOp = "low_latency_dispatch";

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include "bulk_copy.cuh"
+#include "config_check.cuh"
 #include "ep_copy.cuh"
 #include "transport.cuh"
 #include "vec16.cuh"
@@ -56,6 +57,20 @@ struct CombineIO {
   void* out;
 };
 
+
+// What every rank must have called combine with (config_check.cuh): what
+// the window rows and their slots follow from. Its digest rides in the ok
+// word (CombineOkValue), so a difference stops every rank before any row
+// moves without a barrier of its own.
+__device__ __forceinline__ OpConfig CombineConfig(const CombineCfg& c, const CombineWindow& w) {
+  const uint32_t elem = static_cast<uint32_t>(w.payload_bytes / static_cast<size_t>(c.H));
+  const uint32_t v[] = {static_cast<uint32_t>(c.T), static_cast<uint32_t>(c.H), static_cast<uint32_t>(c.K),
+                        static_cast<uint32_t>(c.E), FormatWord(elem, false, c.expert != 0)};
+  return MakeOpConfig(Op::kCombine, v);
+}
+__device__ __forceinline__ uint32_t CombineOkValue(const CombineCfg& c, const CombineWindow& w) {
+  return (ConfigDigest(CombineConfig(c, w)) << 16) | 1u;
+}
 
 // Expert layout: the handle's rows are checked and counted by scanner
 // blocks, CombineScan (1 + kCombineScanBlocks blocks in one launch with the
@@ -163,7 +178,29 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
       if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + slot), word);
       else PutControlWord(p, j, slot, w.sent_out_off + sizeof(uint64_t) * j, word, Op::kCombine);
     }
-    PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), Op::kCombine);
+    const OpConfig cfg = CombineConfig(c, w);
+    const uint32_t ok_value = CombineOkValue(c, w);
+    PublishConfig(p, cfg, static_cast<uint32_t>(tag));
+    PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), ok_value, Op::kCombine);
+    // Every rank sees the same ok words, so a peer that failed or called
+    // with another configuration stops every rank's sends (CombineData);
+    // each names it here rather than returning zeros unexplained. (A word
+    // of another epoch: the barrier failed and reported already.)
+    const uint64_t* oks = reinterpret_cast<const uint64_t*>(p.base[r] + w.ok_off);
+    for (int j = 0; j < R && !bad; ++j) {
+      const uint64_t word = LdU64Volatile(oks + j);
+      if (j == r || !TagMatches(word, *p.epoch)) continue;
+      const uint32_t v = static_cast<uint32_t>(word);
+      if (v == 0u) {
+        report_error(p, Op::kCombine, Cause::kPeerTimeout, 0x80u | static_cast<uint32_t>(j));
+      } else if (v != ok_value) {
+        OpConfig mine = cfg;
+        mine.tag = static_cast<uint32_t>(tag);
+        bool torn = false;
+        ReportConfigMismatch(p, Op::kCombine, j, mine, ReadConfig(p, j, &torn));
+      }
+      if (v != ok_value) break;
+    }
   }
 }
 
@@ -358,7 +395,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   const bool sender = static_cast<int>(blockIdx.x) < send_blocks;
   if (threadIdx.x < kMaxRanks) s_sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
-    s_ok = FirstPeerNotOk(p, w.ok_off) < 0;
+    s_ok = FirstPeerNotOk(p, w.ok_off, CombineOkValue(c, w)) < 0;
     const uint64_t* sent = reinterpret_cast<const uint64_t*>(p.base[r] + w.sent_off);
     for (int j = 0; j < R; ++j) {
       const uint64_t word = LdU64Volatile(sent + j);

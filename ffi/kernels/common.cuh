@@ -21,7 +21,7 @@ constexpr size_t kBarrierFlagsOffset = 0;  // uint64_t[kMaxRanks]
 // keeps its signals inside NCCL, so nothing is written here then.
 constexpr size_t kGinEmuSignalsOffset = 2048;
 // The op this rank is in and what it was called with (config_check.cuh).
-constexpr int kOpConfigFields = 5;
+constexpr int kOpConfigFields = 8;
 constexpr size_t kOpConfigBytes = 8 + 4 * kOpConfigFields;
 constexpr size_t kOpConfigOffset = 1024;
 static_assert(kBarrierFlagsOffset + 8 * kMaxRanks <= kOpConfigOffset &&

@@ -433,16 +433,11 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     // What every rank must have called with: what the window geometry and
     // the received rows follow from (not the capacity, the receiver's own
     // business, nor ue8m0, the sender's), checked before any row moves.
-    OpConfig cfg;
-    cfg.op = static_cast<uint32_t>(Op::kDispatch);
     const uint32_t elem = c.has_scales ? 1u : static_cast<uint32_t>(c.in_bytes);  // payload bytes
-    const uint32_t fmt = elem | (static_cast<uint32_t>(c.has_scales) << 8) |
-                         (static_cast<uint32_t>(c.expert) << 16);
-    const uint32_t v[kOpConfigFields] = {static_cast<uint32_t>(c.T), static_cast<uint32_t>(c.H),
-                                         static_cast<uint32_t>(c.K), static_cast<uint32_t>(c.E), fmt};
-    for (int i = 0; i < kOpConfigFields; ++i) cfg.v[i] = v[i];
+    const uint32_t v[] = {static_cast<uint32_t>(c.T), static_cast<uint32_t>(c.H), static_cast<uint32_t>(c.K),
+                          static_cast<uint32_t>(c.E), FormatWord(elem, c.has_scales, c.expert)};
     Stamp(c, kStampZeroed);
-    PublishConfig(p, cfg);
+    PublishConfig(p, MakeOpConfig(Op::kDispatch, v), static_cast<uint32_t>(*p.epoch + 1));
     if (!rank_barrier(p, Op::kDispatch)) fail = true;
     Stamp(c, kStampBarrier1);
     if (!fail && !PeersShareConfig(p, Op::kDispatch)) fail = true;

@@ -7,6 +7,7 @@
 // the owner's window in one transaction. Each thread keeps kUnroll loads in
 // flight before it stores (benchmarks/RESULTS.md: bytes in flight, not SM count, set the
 // NVLink rate).
+#include "config_check.cuh"
 #include "engram.cuh"
 #include "ep_copy.cuh"
 #include "kernel_load.h"
@@ -54,7 +55,9 @@ __device__ void ClearSlots(const EngramSlotMask& m, unsigned long long* versions
 
 // Before the copy (!after_copy): the areas it overwrites, its own
 // included, have no live publication from now on, and no peer still reads
-// them (barrier). After the copy: FinishPublish.
+// them (barrier); every rank places the same table (config_check.cuh: a
+// difference is reported, and FinishPublish then leaves no version, so
+// fetches read zeros). After the copy: FinishPublish.
 __global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p,
                                     const __grid_constant__ EngramPublishArgs a, bool after_copy) {
   if (after_copy) {
@@ -63,7 +66,12 @@ __global__ void EngramBarrierKernel(const __grid_constant__ EpPeers p,
   }
   ClearSlots(a.clear, a.versions);
   __syncthreads();  // the clears before thread 0's fence in the barrier
-  if (threadIdx.x == 0) rank_barrier(p, Op::kEngramFetch);
+  if (threadIdx.x == 0) {
+    const uint32_t v[] = {static_cast<uint32_t>(a.rows_per_rank), static_cast<uint32_t>(a.row_bytes),
+                          static_cast<uint32_t>(a.table_off / 16)};
+    PublishConfig(p, MakeOpConfig(Op::kEngramFetch, v), static_cast<uint32_t>(*p.epoch + 1));
+    if (rank_barrier(p, Op::kEngramFetch)) PeersShareConfig(p, Op::kEngramFetch);
+  }
 }
 
 __global__ void EngramClearKernel(const __grid_constant__ EngramSlotMask m,

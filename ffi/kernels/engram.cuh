@@ -32,6 +32,8 @@ struct EngramPublishArgs {
   const void* table = nullptr;  // [rows_per_rank, D] local shard, row_bytes each
   size_t table_bytes = 0;
   size_t table_off = 0;         // EngramWindow::table_off
+  int64_t rows_per_rank = 0;    // what every rank must publish alike (config_check.cuh)
+  size_t row_bytes = 0;
   int32_t* token = nullptr;     // [1]: the new version when the publish completed, 0 otherwise
   unsigned long long* versions = nullptr;  // the version words (above)
   int slot = 0;                 // EngramVersions::Publish of this area

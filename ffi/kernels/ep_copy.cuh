@@ -126,13 +126,15 @@ __device__ inline void PutControlWord(const EpPeers& p, int j, size_t off, size_
   }
 }
 
-// Each rank writes (epoch-tag, ok) into every rank's ok[my rank], then a rank
-// barrier. Afterwards ok[s] in my window tells whether source s completed its
-// pushes of this op. One thread. (A GIN peer's copy goes out from my own
-// ok[my rank], which holds the same word.)
-__device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool ok, Op op) {
+// Each rank writes (epoch-tag, ok ? ok_value : 0) into every rank's ok[my
+// rank], then a rank barrier. Afterwards ok[s] in my window tells whether
+// source s is ready to send; `ok_value` (odd, so never 0) also carries what
+// the ranks must agree on (config_check.cuh's digest). One thread. (A GIN
+// peer's copy goes out from my own ok[my rank], which holds the same word.)
+__device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool ok, uint32_t ok_value,
+                                           Op op) {
   const uint64_t tag = *p.epoch + 1;  // the epoch rank_barrier is about to use
-  const uint64_t word = MakeTagged(tag, ok ? 1u : 0u);
+  const uint64_t word = MakeTagged(tag, ok ? ok_value : 0u);
   const size_t slot = ok_off + sizeof(uint64_t) * p.rank;
   StU64Volatile(reinterpret_cast<uint64_t*>(p.base[p.rank] + slot), word);
   for (int j = 0; j < p.nranks; ++j)
@@ -222,14 +224,15 @@ __device__ inline bool WaitChunk(const EpPeers& p, const uint32_t* counter, uint
   return ok != 0;
 }
 
-// After PublishOkAndBarrier: did every source publish ok for this epoch?
-// Returns -1 when all did, else the first failing source. One thread.
-__device__ inline int FirstPeerNotOk(const EpPeers& p, size_t ok_off) {
+// After PublishOkAndBarrier: did every source publish this rank's own
+// `ok_value` for this epoch? Returns -1 when all did, else the first that
+// did not. One thread.
+__device__ inline int FirstPeerNotOk(const EpPeers& p, size_t ok_off, uint32_t ok_value) {
   const uint64_t tag = *p.epoch;
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(p.base[p.rank] + ok_off);
   for (int s = 0; s < p.nranks; ++s) {
     const uint64_t w = LdU64Volatile(slots + s);
-    if (!TagMatches(w, tag) || (w & 0xffffffffull) != 1ull) return s;
+    if (!TagMatches(w, tag) || static_cast<uint32_t>(w) != ok_value) return s;
   }
   return -1;
 }

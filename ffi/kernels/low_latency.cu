@@ -8,6 +8,7 @@
 #include <string>
 
 #include "barrier.cuh"
+#include "config_check.cuh"
 #include "ep_copy.cuh"
 #include "fp8.cuh"
 #include "kernel_load.h"
@@ -19,20 +20,71 @@ namespace {
 constexpr int kLlThreads = 512;
 constexpr int kLlWarps = kLlThreads / 32;
 
-// Waits until `word` carries tag `seq`; returns its low 32 bits, or -1 after
-// reporting a timeout (peer `peer`).
+// This call's OpConfig record (config_check.cuh): what a sender's words and
+// rows follow from. The combine has no FP8 (field 6 stays 0).
+__device__ __forceinline__ OpConfig LlConfig(Op op, int T, const LlLayout& L, bool fp8, uint64_t seq) {
+  const uint32_t v[] = {static_cast<uint32_t>(T),       static_cast<uint32_t>(L.H),
+                        static_cast<uint32_t>(L.K),     static_cast<uint32_t>(L.E_l * L.R),
+                        static_cast<uint32_t>(L.M),     static_cast<uint32_t>(L.base_off / kLlAlign),
+                        static_cast<uint32_t>(fp8)};
+  OpConfig c = MakeOpConfig(op, v);
+  c.tag = static_cast<uint32_t>(seq);
+  return c;
+}
+
+// A count / flag word's value: `low` (16 bits) under the digest of `mine`.
+__device__ __forceinline__ uint32_t LlWordValue(const OpConfig& mine, uint32_t low) {
+  return (ConfigDigest(mine) << 16) | low;
+}
+
+constexpr int64_t kWaitTimedOut = -1, kWaitMismatch = -2;
+
+// Waits until `word` carries tag `seq` and returns its low 16 bits.
+// kWaitMismatch when the word carries another digest than `mine`'s, or
+// while waiting, peer `peer`'s record for this call differs from `mine`
+// (its words went to its own layout's places); kWaitTimedOut after
+// reporting a timeout.
 __device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uint64_t seq,
-                              int peer) {
+                              int peer, const OpConfig& mine) {
   const unsigned long long t0 = globaltimer_ns();
+  const uint32_t digest = ConfigDigest(mine);
   unsigned polls = 0;
   while (true) {
     const uint64_t w = ld_acquire_sys(word);
-    if (TagMatches(w, seq)) return static_cast<int64_t>(w & 0xffffffffull);
-    if ((++polls & 255u) == 0u && globaltimer_ns() - t0 > p.timeout_ns) {
-      report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(peer));
-      return -1;
+    if (TagMatches(w, seq)) {
+      return static_cast<uint32_t>(w) >> 16 == digest ? static_cast<int64_t>(w & 0xffffull) : kWaitMismatch;
+    }
+    if ((++polls & 255u) == 0u) {
+      bool torn = false;
+      const OpConfig theirs = peer == p.rank ? mine : ReadConfig(p, peer, &torn);
+      if (!torn && theirs.tag == mine.tag && theirs.op == mine.op) {
+        bool same = true;
+        for (int i = 0; i < kOpConfigFields; ++i) same &= theirs.v[i] == mine.v[i];
+        if (!same) return kWaitMismatch;
+      }
+      if (globaltimer_ns() - t0 > p.timeout_ns) {
+        report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(peer));
+        return kWaitTimedOut;
+      }
     }
   }
+}
+
+// One thread, after a receive found the sources in `mismatched` (a bit
+// each) with another configuration: names the first (with both records),
+// and makes every rank's next call reset the layout (kLlMismatchCounter).
+template <LlPart kPart>
+__device__ void ReportLlMismatch(const EpPeers& p, Op op, uint32_t mismatched, const OpConfig& mine,
+                                 unsigned long long* ctr) {
+  const int j = __ffs(mismatched) - 1;
+  bool torn = false;
+  ReportConfigMismatch(p, op, j, mine, ReadConfig(p, j, &torn));
+  if constexpr (kPart == LlPart::kRecv) {
+    ctr[kLlLayoutCounter] = 0;  // the send recorded it already; M = 0 never matches
+  } else {
+    ctr[kLlMismatchCounter] = 1;  // read by this kernel's Finish
+  }
+  __threadfence();
 }
 
 __device__ __forceinline__ void StReleaseSys(uint64_t* ptr, uint64_t v) {
@@ -142,7 +194,12 @@ __device__ void Finish(unsigned long long* ctr, int seq_slot, int sent_slot, int
       ctr[done_slot] = 0;
       ctr[kLlResetCounter] = 0;
       ctr[seq_slot] = seq;
-      LlKey(L).Record(ctr);
+      if (ctr[kLlMismatchCounter] != 0) {
+        ctr[kLlMismatchCounter] = 0;
+        ctr[kLlLayoutCounter] = 0;  // M = 0 never matches: the next call resets
+      } else {
+        LlKey(L).Record(ctr);
+      }
       __threadfence();
     }
   }
@@ -212,7 +269,11 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   unsigned long long* ctr = a.counters;
   const unsigned long long seq = ReadSeq<kPart>(ctr + kLlDispatchSeqCounter, a.token_in);
   const int b = static_cast<int>(seq & 1ull);
+  const OpConfig mine = LlConfig(Op::kLowLatencyDispatch, T, L, a.fp8, seq);
   if constexpr (kPart != LlPart::kRecv) {
+    // Before the reset's barrier too: a peer that kept its layout waits for
+    // words this rank writes elsewhere, and finds the difference here.
+    if (blockIdx.x == 0 && threadIdx.x == 0) PublishConfig(p, mine, mine.tag);
     BeginSend(p, Op::kLowLatencyDispatch, L, ctr, kLlDispatchSeqCounter, kLlDispatchRecvCounter);
     WriteToken<kPart>(a.token_out, seq);
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
@@ -318,7 +379,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
         uint64_t* word = reinterpret_cast<uint64_t*>(p.base[d] + L.DispCounts(b)) +
                          static_cast<size_t>(l) * R + p.rank;
-        StReleaseSys(word, MakeTagged(seq, rows));
+        StReleaseSys(word, MakeTagged(seq, LlWordValue(mine, rows)));
       }
     }
   }
@@ -329,13 +390,19 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 
   // 4. Receive: one CTA per local expert at a time. Wait for every source's
   // count, then pack its rows from row 0 in (source rank, token, k) order.
+  // A source with another configuration (bit s): this receive reads no
+  // rows at all, as a normal op does (config_check.cuh).
   __shared__ int32_t s_off[kMaxRanks + 1];
+  __shared__ uint32_t s_mismatch;
+  if (threadIdx.x == 0) s_mismatch = 0;
+  __syncthreads();
   const int m_all = R * M;
   for (int l = blockIdx.x; l < E_l; l += gridDim.x) {
     if (threadIdx.x < R) {
       const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.DispCounts(b)) +
                              static_cast<size_t>(l) * R + threadIdx.x;
-      int64_t n = WaitTagged(p, Op::kLowLatencyDispatch, word, seq, threadIdx.x);
+      int64_t n = WaitTagged(p, Op::kLowLatencyDispatch, word, seq, threadIdx.x, mine);
+      if (n == kWaitMismatch) atomicOr(&s_mismatch, 1u << threadIdx.x);
       if (n > M) {  // never written so: a corrupted word; read no more than the area holds
         report_error(p, Op::kLowLatencyDispatch, Cause::kBadIndex);
         n = M;
@@ -344,6 +411,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (s_mismatch != 0)
+        for (int s = 0; s < R; ++s) s_off[s + 1] = 0;
       s_off[0] = 0;
       for (int s = 0; s < R; ++s) s_off[s + 1] += s_off[s];
       a.recv_count[l] = s_off[R];
@@ -393,6 +462,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncthreads();
   }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && s_mismatch != 0) {
+    ReportLlMismatch<kPart>(p, Op::kLowLatencyDispatch, s_mismatch, mine, ctr);
+  }
   Received(ctr, kLlDispatchRecvCounter, seq);
   if constexpr (kPart == LlPart::kFused) {
     Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter, seq, L);
@@ -413,7 +485,9 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   unsigned long long* ctr = a.counters;
   const unsigned long long seq = ReadSeq<kPart>(ctr + kLlCombineSeqCounter, a.token_in);
   const int b = static_cast<int>(seq & 1ull);
+  const OpConfig mine = LlConfig(Op::kLowLatencyCombine, T, L, false, seq);
   if constexpr (kPart != LlPart::kRecv) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) PublishConfig(p, mine, mine.tag);
     BeginSend(p, Op::kLowLatencyCombine, L, ctr, kLlCombineSeqCounter, kLlCombineRecvCounter);
     WriteToken<kPart>(a.token_out, seq);
 
@@ -449,7 +523,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     AllSent(p, Op::kLowLatencyCombine, ctr + kLlCombineSentCounter);
     if (blockIdx.x == 0 && threadIdx.x < R) {
       uint64_t* word = reinterpret_cast<uint64_t*>(p.base[threadIdx.x] + L.CombFlags(b)) + p.rank;
-      StReleaseSys(word, MakeTagged(seq, 1u));
+      StReleaseSys(word, MakeTagged(seq, LlWordValue(mine, 1u)));
     }
   }
   if constexpr (kPart == LlPart::kSend) {
@@ -459,12 +533,23 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 
   // 3. Reduce: wait for every expert owner, then each token's rows in
   // ascending (expert, k) order, f32 products and sums rounded as written.
-  // (A timeout is reported; the sums then read whatever the slots hold.)
+  // An owner that timed out or has another configuration (reported) leaves
+  // the slots unknown: every token is zeros then.
+  __shared__ uint32_t s_mismatch;
+  __shared__ int s_failed;
+  if (threadIdx.x == 0) s_mismatch = 0, s_failed = 0;
+  __syncthreads();
   if (threadIdx.x < R) {
     const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.CombFlags(b)) + threadIdx.x;
-    WaitTagged(p, Op::kLowLatencyCombine, word, seq, threadIdx.x);
+    const int64_t n = WaitTagged(p, Op::kLowLatencyCombine, word, seq, threadIdx.x, mine);
+    if (n == kWaitMismatch) atomicOr(&s_mismatch, 1u << threadIdx.x);
+    if (n < 0) s_failed = 1;
   }
   __syncthreads();
+  const bool failed = s_failed != 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && s_mismatch != 0) {
+    ReportLlMismatch<kPart>(p, Op::kLowLatencyCombine, s_mismatch, mine, ctr);
+  }
   // Per warp: the token's valid slots in ascending (expert, k) order, with
   // their weights (shared memory, so the channel loop below needs no
   // shuffles and may run a different trip count per lane).
@@ -476,7 +561,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     const int t = task / rs.per_row, part = task - t * rs.per_row;
     const int v0 = part * rs.width, v1 = min(nvec, v0 + rs.width);
     const int32_t id = lane < K ? __ldg(a.topk_idx + t * K + lane) : -1;
-    const bool valid = lane < K && id >= 0 && id < E;
+    const bool valid = !failed && lane < K && id >= 0 && id < E;
     const int key = valid ? id : E + 1 + lane;  // invalid: after every valid one, in k order
     int pos = 0;
     for (int j = 0; j < 32; ++j) {
@@ -550,8 +635,8 @@ std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
   if (p.gin_mask != 0) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
   if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
-  if (a.max_tokens < 1 || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
-    return "need 0 <= tokens <= max_tokens";
+  if (a.max_tokens < 1 || a.max_tokens > kLlMaxTokens || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
+    return "need 0 <= tokens <= max_tokens <= " + std::to_string(kLlMaxTokens);
   if (a.hidden < 8 || (a.fp8 ? a.hidden % 128 : a.hidden % 8))
     return a.fp8 ? "hidden must be a positive multiple of 128 for FP8"
                  : "hidden must be a positive multiple of 8";
@@ -571,8 +656,8 @@ std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
   if (p.gin_mask != 0) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
   if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
-  if (a.max_tokens < 1 || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
-    return "need 0 <= tokens <= max_tokens";
+  if (a.max_tokens < 1 || a.max_tokens > kLlMaxTokens || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
+    return "need 0 <= tokens <= max_tokens <= " + std::to_string(kLlMaxTokens);
   if (a.hidden < 8 || a.hidden % 8) return "hidden must be a positive multiple of 8";
   const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
                                     a.reserved_bytes);

@@ -37,6 +37,13 @@ constexpr int kLlCombineRecvCounter = 10;
 constexpr int kLlLayoutCounter = 11;       // 5 slots: the layout (M, H, K, E, reserved) in use
 static_assert(kLlLayoutCounter + 5 <= kCombineScanCounters && kLlDispatchSeqCounter > kDispatchPrepCounter,
               "the low-latency counter slots overlap others (comm.h)");
+// 1 when a fused kernel's receive found a peer with another configuration:
+// its last CTA then forgets the layout instead of recording it, so that
+// every rank's next call resets (and passes the reset's barriers) together.
+constexpr int kLlMismatchCounter = kCombineScanDoneCounter + 1;
+// Rows per (expert, source) fit the count word's low 16 bits; the high 16
+// carry the configuration's digest (config_check.cuh).
+constexpr int kLlMaxTokens = 0xffff;
 
 constexpr size_t kLlAlign = 256;
 
@@ -106,6 +113,16 @@ struct LlDispatchArgs {
   const int32_t* token_in = nullptr;
 };
 
+// Configurations that differ across ranks (config_check.cuh): each
+// sender publishes its OpConfig record (tag: the call's sequence number)
+// and puts the record's digest into its count / flag words. A receiver
+// reports Cause::kConfigMismatch when a word's digest is not its own, or,
+// while it waits for a word that a peer with another layout wrote
+// elsewhere, when that peer's record for this call differs. The rows of
+// such a call may have landed anywhere in the low-latency area: the
+// receive reads none of them (zeros out), and every rank's next call
+// resets the layout.
+//
 // Layout changes. When a sending kernel's layout (M, H, K, E, reserved)
 // differs from the one recorded on the device (kLlLayoutCounter), the areas
 // moved and old bytes may sit where count words now are: CTA 0 passes a

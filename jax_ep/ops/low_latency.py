@@ -41,7 +41,7 @@ def kernel_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, max_
   count are left unwritten). Needs a Communicator for `axis_name`."""
   from jax_ep import _ffi_low_latency as ffi_ll
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, "cuda")
-  _check_kernel_inputs(x, topk_idx, fp8)
+  _check_kernel_inputs(x, topk_idx, fp8, max_tokens)
   num_ranks = ref.axis_size(axis_name)
 
   def cuda(comm):
@@ -93,11 +93,12 @@ class KernelPending:
   num_sms: int = dataclasses.field(metadata=dict(static=True))
 
 
-def _check_kernel_inputs(x, topk_idx, fp8):
+def _check_kernel_inputs(x, topk_idx, fp8, max_tokens):
   from jax_ep import _ffi_low_latency as ffi_ll
-  if not ffi_ll.kernels_take(x.dtype, x.shape[1], fp8, topk_idx.shape[1]):
-    raise ValueError("the low-latency kernels take bf16 x with H a multiple of 8 (128 with FP8) "
-                     f"and 1 <= K <= 32; got {x.dtype}, H={x.shape[1]}, K={topk_idx.shape[1]}")
+  if not ffi_ll.kernels_take(x.dtype, x.shape[1], fp8, topk_idx.shape[1], max_tokens):
+    raise ValueError("the low-latency kernels take bf16 x with H a multiple of 8 (128 with FP8), "
+                     f"1 <= K <= 32 and max_tokens <= {ffi_ll.MAX_TOKENS}; got {x.dtype}, "
+                     f"H={x.shape[1]}, K={topk_idx.shape[1]}, max_tokens={max_tokens}")
 
 
 def kernel_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
@@ -107,7 +108,7 @@ def kernel_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts: int
   """The send half of kernel_dispatch (its own custom call)."""
   from jax_ep import _ffi_low_latency as ffi_ll
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, "cuda")
-  _check_kernel_inputs(x, topk_idx, fp8)
+  _check_kernel_inputs(x, topk_idx, fp8, max_tokens)
 
   def cuda(comm):
     return lambda a, i: ffi_ll.dispatch_send_cuda(
@@ -189,9 +190,9 @@ def _check_combine_kernel_input(y) -> None:
                      f"got {y.dtype}, H={y.shape[-1]}")
 
 
-def _kernels_for(x_dtype, hidden, fp8, topk) -> bool:
+def _kernels_for(x_dtype, hidden, fp8, topk, max_tokens) -> bool:
   from jax_ep import _ffi_low_latency as ffi_ll
-  return _KERNELS_VALIDATED and ffi_ll.kernels_take(x_dtype, hidden, fp8, topk)
+  return _KERNELS_VALIDATED and ffi_ll.kernels_take(x_dtype, hidden, fp8, topk, max_tokens)
 
 
 def _check_pending(pending, op: str) -> None:
@@ -216,7 +217,7 @@ def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts
                                ue8m0: bool = False, backend: Optional[str] = None) -> Any:
   """Sends; returns an opaque pending state for `low_latency_dispatch_done`."""
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
-  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1]):
+  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1], max_tokens):
     return kernel_dispatch_start(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
                                  axis_name=axis_name, fp8=fp8, ue8m0=ue8m0)
   if backend == "cuda":
@@ -253,7 +254,7 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
   Args:
     x: [T, H] with T <= max_tokens; topk_idx: [T, K] ids in [-1, E).
   """
-  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1]):
+  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1], max_tokens):
     return kernel_dispatch(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
                            axis_name=axis_name, fp8=fp8, ue8m0=ue8m0)  # one kernel
   p = low_latency_dispatch_start(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
@@ -281,7 +282,7 @@ def low_latency_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: j
                               backend: Optional[str] = None) -> Any:
   """Sends expert outputs back; returns a pending state for `low_latency_combine_done`."""
   _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
-  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1]):
+  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1], handle.max_tokens):
     return kernel_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
   if backend == "cuda":
     out = _via_normal.combine_via_normal(y, topk_idx, topk_weights, handle, axis_name=axis_name,
@@ -306,7 +307,7 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
                         handle: LowLatencyHandle, *, axis_name: str = "ep",
                         backend: Optional[str] = None) -> jax.Array:
   """Fused `low_latency_combine_start` + `low_latency_combine_done`."""
-  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1]):
+  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1], handle.max_tokens):
     _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
     return kernel_combine(y, topk_idx, topk_weights, handle, axis_name=axis_name)  # one kernel
   p = low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name,

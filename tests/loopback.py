@@ -39,18 +39,19 @@ class Loopback:
     self.close()
 
   def run(self, op: str, scalars: dict, inputs: list, outputs: dict, *, check: bool = True,
-          skip=(), overrides: dict | None = None):
+          skip=(), overrides: dict | None = None, refuse=()):
     """inputs: per rank {name: array}; outputs: {name: (shape, dtype)}, the
     same on every rank; scalars: the same on every rank, but for
-    `overrides` {rank: {name: value}}; ranks in `skip` do not call the op
-    (they return no outputs). Returns (per rank {name: array}, per rank
+    `overrides` {rank: {name: value}}; ranks in `skip` do not call the op,
+    ranks in `refuse` launch what a handler that refuses it launches
+    (kernels/abort.h); neither returns outputs. Returns (per rank {name: array}, per rank
     report)."""
     ins = [{k: np.ascontiguousarray(v).tobytes() for k, v in d.items()} for d in inputs]
     sizes = {k: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
              for k, (shape, dt) in outputs.items()}
     per_rank = [{k: int(v) for k, v in {**scalars, **(overrides or {}).get(r, {})}.items()}
                 for r in range(self.R)]
-    outs, reports = self._m.loopback_run(self.id, op, per_rank, ins, sizes, list(skip))
+    outs, reports = self._m.loopback_run(self.id, op, per_rank, ins, sizes, list(skip), list(refuse))
     arrays = [{k: np.frombuffer(o[k], dtype=outputs[k][1]).reshape(outputs[k][0]) for k in o}
               for o in outs]
     if check and any(reports):
@@ -74,7 +75,7 @@ class Loopback:
 
   def dispatch(self, payload: tuple, idx, w, *, E: int, C: int, layout: str, align: int = 1,
                cast_fp8: bool = False, ue8m0: bool = False, num_sms: int = 0, check: bool = True,
-               skip=(), overrides: dict | None = None):
+               skip=(), overrides: dict | None = None, refuse=()):
     """payload: (x[R, T, H],) or an FP8 pair (q, scales[R, T, H/128]);
     idx / w [R, T, K]. Returns per rank the dispatch's outputs by their FFI
     names (ffi/handlers/dispatch.cc)."""
@@ -102,10 +103,11 @@ class Loopback:
     scalars = dict(x_dtype=_DTYPE_CODE[np.dtype(x.dtype)], cast_fp8=cast_fp8, ue8m0=ue8m0,
                    num_tokens=T, hidden=H, topk=K, num_experts=E, capacity=C,
                    expert_alignment=align, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
-    return self.run("dispatch", scalars, inputs, outputs, check=check, skip=skip, overrides=overrides)
+    return self.run("dispatch", scalars, inputs, outputs, check=check, skip=skip, overrides=overrides,
+                    refuse=refuse)
 
   def combine(self, y, weights, handles: list, idx, *, E: int, layout: str, num_sms: int = 0,
-              check: bool = True, skip=(), overrides: dict | None = None):
+              check: bool = True, skip=(), overrides: dict | None = None, refuse=()):
     """y [R, C, H]; weights [R, C] or None; handles: per rank the dispatch's
     outputs (pos_in_rank, recv_src_*, recv_counts); idx [R, T, K]."""
     R, C, H = y.shape
@@ -120,8 +122,8 @@ class Loopback:
     scalars = dict(y_dtype=_DTYPE_CODE[np.dtype(y.dtype)], num_tokens=T, hidden=H, topk=K,
                    num_experts=E, capacity=C, layout=_LAYOUT_CODE[layout], num_sms=num_sms)
     outs, reports = self.run("combine", scalars, inputs, dict(out=((T, H), y.dtype)), check=check, skip=skip,
-                             overrides=overrides)
-    if skip:
+                             overrides=overrides, refuse=refuse)
+    if skip or refuse:
       return [o.get("out") for o in outs], reports
     return np.stack([o["out"] for o in outs]), reports
 
@@ -143,7 +145,7 @@ class Loopback:
     return rows, np.array([o["token"][0] for o in outs]), reports
 
   def ll_dispatch(self, x, idx, *, E: int, max_tokens: int, fp8: bool = False, ue8m0: bool = False,
-                  check: bool = True, overrides: dict | None = None):
+                  check: bool = True, overrides: dict | None = None, refuse=()):
     """x [R, T, H] bf16, idx [R, T, K] -> per rank recv_x [E_l, R*M, H],
     recv_scales (FP8), recv_count [E_l], src_entry [E_l, R*M]."""
     R, T, K = idx.shape
@@ -156,10 +158,11 @@ class Loopback:
     inputs = [dict(x=x[r], topk_idx=idx[r].astype(np.int32)) for r in range(R)]
     scalars = dict(num_tokens=T, max_tokens=max_tokens, hidden=H, topk=K, num_experts=E, fp8=fp8,
                    ue8m0=ue8m0)
-    return self.run("ll_dispatch", scalars, inputs, outputs, check=check, overrides=overrides)
+    return self.run("ll_dispatch", scalars, inputs, outputs, check=check, overrides=overrides,
+                    refuse=refuse)
 
   def ll_combine(self, y, idx, w, handles: list, *, E: int, max_tokens: int, check: bool = True,
-                 overrides: dict | None = None):
+                 overrides: dict | None = None, refuse=()):
     """y [R, E_l, R*M, H] bf16; handles: ll_dispatch's outputs per rank."""
     R, T, K = idx.shape
     H = y.shape[3]
@@ -168,5 +171,7 @@ class Loopback:
               for r in range(R)]
     scalars = dict(num_tokens=T, max_tokens=max_tokens, hidden=H, topk=K, num_experts=E)
     outs, reports = self.run("ll_combine", scalars, inputs, dict(out=((T, H), BF16)), check=check,
-                             overrides=overrides)
+                             overrides=overrides, refuse=refuse)
+    if refuse:
+      return [o.get("out") for o in outs], reports
     return np.stack([o["out"] for o in outs]), reports

@@ -475,6 +475,59 @@ def test_a_low_latency_combine_configuration_mismatch_is_named_and_gives_zeros_t
       _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, f"after the mismatch, round {rnd}")
 
 
+@pytest.mark.parametrize("op", ["dispatch", "combine", "ll_dispatch", "ll_combine"])
+def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_calls_work(op):
+  """kernels/abort.h on virtual ranks: rank 1 launches what its handler
+  launches when it refuses the call (the barriers' stand-in; for the
+  low-latency ops the call's stand-in and a refused record), rank 0 runs the
+  call and names rank 1's refusal within milliseconds, not the timeout;
+  then every rank's next calls work."""
+  R = 2
+  rng = np.random.default_rng(stable_seed("loopback-refuse", op))
+  if op in ("dispatch", "combine"):
+    T, H, K, E = 64, 256, 4, 16
+    lb = Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0)
+  else:
+    c = _LL
+    lb = Loopback(R, _ll_window(), timeout_s=5.0)
+  with lb:
+    if op in ("dispatch", "combine"):
+      payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
+      C = R * T
+      outs = None
+      if op == "combine":
+        outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
+        y = oracle.make_x(rng, (R, C, H), BF16)
+      t0 = time.monotonic()
+      if op == "dispatch":
+        got, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank", check=False, refuse=[1])
+      else:
+        got, reports = lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, refuse=[1])
+      again = lambda: _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+    else:
+      # The layout is set up first: a refusal does not stand in for the
+      # layout reset's barriers (abort.h).
+      _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, "before the refusal")
+      idx, w = oracle.make_topk(rng, R, c["T"], c["K"], c["E"])
+      x = oracle.make_x(rng, (R, c["T"], c["H"]), BF16)
+      if op == "ll_combine":
+        outs, _ = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"])
+        y = oracle.make_x(rng, (R, c["E"] // R, R * c["mt"], c["H"]), BF16)
+      t0 = time.monotonic()
+      if op == "ll_dispatch":
+        got, reports = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"], check=False, refuse=[1])
+      else:
+        got, reports = lb.ll_combine(y, idx, w, outs, E=c["E"], max_tokens=c["mt"], check=False,
+                                     refuse=[1])
+      again = lambda: _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, "after the refusal")
+    took = time.monotonic() - t0
+    assert "peer rank 1 refused this call" in reports[0], reports
+    assert reports[1] == "", reports
+    assert took < 2.5, f"{op}: the peer of a refusing rank returned after {took:.1f} s"
+    for _ in range(3):
+      again()
+
+
 @pytest.mark.parametrize("R,skip,op", [(2, 1, "dispatch"), (4, 2, "dispatch"), (2, 0, "combine")])
 def test_a_rank_that_skips_the_call_is_reported_by_its_peers_within_the_timeout(R, skip, op):
   import time

@@ -84,7 +84,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommStat
   if (ffi::Error err = AcquireDevice(state, at.comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
   }
-  RefusalNotice notice(lease, stream, /*barriers=*/2);  // its kernels' barriers (kernels/dispatch.cu)
+  RefusalNotice notice(lease, stream, kDispatchBarriers);
   const EpPeers peers = lease.dev->peers();
   const int64_t R = peers.nranks;
   const auto xd = x.dimensions();
@@ -184,7 +184,7 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t device_ordinal, CommState
   if (ffi::Error err = AcquireDevice(state, at.comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true); err.failure()) {
     return err;
   }
-  RefusalNotice notice(lease, stream, /*barriers=*/1);  // its kernels' barriers (kernels/combine.cu)
+  RefusalNotice notice(lease, stream, kCombineBarriers);
   const EpPeers peers = lease.dev->peers();
   const int64_t R = peers.nranks;
   const auto yd = y.dimensions();

@@ -149,7 +149,7 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
-  RefusalNotice notice(lease, stream, /*barriers=*/2);  // LaunchEngramPublish's
+  RefusalNotice notice(lease, stream, kEngramPublishBarriers);
   // A publish writes the window; a pending start's kernels may be using it.
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (token->element_count() != 1) return Invalid(kOp, "token must be s32 [1]");
@@ -201,7 +201,7 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
   }
-  RefusalNotice notice(lease, stream, /*barriers=*/2);  // the publish's
+  RefusalNotice notice(lease, stream, kEngramPublishBarriers);  // the publish's
   // A publish writes the window; a pending start's kernels may be using it.
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (rows->element_type() != table.element_type())

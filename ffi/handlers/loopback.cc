@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "kernels/abort.h"
 #include "kernels/engram.cuh"
 #include "kernels/engram_layout.h"
 #include "kernels/ep_kernels.h"
@@ -328,20 +329,28 @@ std::string FillEngram(Named& n, EngramPublishArgs& pub, EngramFetchArgs& fetch,
 // rank on its own stream and waits for all.
 // `scalars`: per rank (a rank may be given another configuration than its
 // peers, as a misconfigured process would); `skip`: ranks that do not call
-// the op at all (their peers must report them, not hang).
+// the op at all (their peers must report them, not hang); `refuse`: ranks
+// whose handler refuses the call, launching what a refusing handler
+// launches instead (kernels/abort.h; their peers must fail at once).
 std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, const std::string& op,
                                                                const std::vector<nb::dict>& scalars,
                                                                const std::vector<nb::dict>& inputs,
                                                                const nb::dict& outputs,
-                                                               const std::vector<int>& skip) {
+                                                               const std::vector<int>& skip,
+                                                               const std::vector<int>& refuse) {
   const int R = lb.nranks;
   if (static_cast<int>(inputs.size()) != R || static_cast<int>(scalars.size()) != R)
     throw std::invalid_argument("jax_ep loopback: " + std::to_string(inputs.size()) + " ranks' inputs and " +
                                 std::to_string(scalars.size()) + " ranks' scalars for " + std::to_string(R) + " ranks");
-  std::vector<bool> runs(R, true);
+  std::vector<bool> runs(R, true), refuses(R, false);
   for (int r : skip) {
     if (r < 0 || r >= R) throw std::invalid_argument("jax_ep loopback: no rank " + std::to_string(r) + " to skip");
     runs[r] = false;
+  }
+  for (int r : refuse) {
+    if (r < 0 || r >= R) throw std::invalid_argument("jax_ep loopback: no rank " + std::to_string(r) + " to refuse");
+    runs[r] = false;
+    refuses[r] = true;
   }
   Check(cudaSetDevice(lb.device), "cudaSetDevice");
   ++lb.calls;
@@ -386,9 +395,17 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
   // the fused handler does): every kernel was loaded in Init, so rank 0's
   // waiting kernels never hold up the launch of rank 1's.
   for (int r = 0; r < R; ++r) {
-    if (!runs[r]) continue;
     const EpPeers p = lb.Peers(r);
     cudaError_t err = cudaSuccess;
+    if (refuses[r]) {
+      if (op == "dispatch") err = LaunchRefusedBarriers(p, kDispatchBarriers, lb.streams[r]);
+      else if (op == "combine") err = LaunchRefusedBarriers(p, kCombineBarriers, lb.streams[r]);
+      else if (op == "engram") err = LaunchRefusedBarriers(p, kEngramPublishBarriers, lb.streams[r]);
+      else err = LaunchLlRefusal(p, op == "ll_combine", lb.counters[r], lb.streams[r]);
+      Check(err, op + " refusal on rank " + std::to_string(r));
+      continue;
+    }
+    if (!runs[r]) continue;
     if (op == "dispatch") err = LaunchDispatch(da[r], p, lb.streams[r]);
     else if (op == "combine") err = LaunchCombine(ca[r], p, lb.streams[r]);
     else if (op == "ll_dispatch") err = LaunchLlDispatch(lda[r], p, sms_per_rank, lb.streams[r]);
@@ -442,13 +459,14 @@ void RegisterLoopbackBindings(nb::module_& m) {
   m.def(
       "loopback_run",
       [](int64_t id, const std::string& op, std::vector<nb::dict> scalars, std::vector<nb::dict> inputs,
-         nb::dict outputs, std::vector<int> skip) {
+         nb::dict outputs, std::vector<int> skip, std::vector<int> refuse) {
         std::lock_guard<std::mutex> g(jax_ep::g_mu);
-        return jax_ep::Run(jax_ep::Find(id), op, scalars, inputs, outputs, skip);
+        return jax_ep::Run(jax_ep::Find(id), op, scalars, inputs, outputs, skip, refuse);
       },
       nb::arg("id"), nb::arg("op"), nb::arg("scalars"), nb::arg("inputs"), nb::arg("outputs"),
-      nb::arg("skip") = std::vector<int>{},
-      "Runs one op on every virtual rank but those in `skip`: scalars [per rank {name: int}], inputs "
+      nb::arg("skip") = std::vector<int>{}, nb::arg("refuse") = std::vector<int>{},
+      "Runs one op on every virtual rank but those in `skip` and `refuse` (whose handler refuses "
+      "it, kernels/abort.h): scalars [per rank {name: int}], inputs "
       "[per rank {name: bytes}], outputs {name: bytes per rank}; returns ([per rank {name: bytes}], "
       "[per rank status message or '']).");
   m.def(

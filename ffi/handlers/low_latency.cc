@@ -76,8 +76,9 @@ ffi::Error CheckDispatchOutputs(int64_t E_l, int64_t m_all, int64_t H, bool fp8,
   return ffi::Error::Success();
 }
 
+// `notice`: a sending call's (RefusalNotice), told just before the launch.
 ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_ordinal,
-                          cudaStream_t stream, LlPart part) {
+                          cudaStream_t stream, LlPart part, RefusalNotice* notice = nullptr) {
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kDispatchOp, msg);
@@ -88,6 +89,7 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
       err.failure()) {
     return err;
   }
+  if (notice != nullptr) notice->Launched();
   if (cudaError_t err = LaunchLlDispatch(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_dispatch launch");
@@ -132,6 +134,7 @@ ffi::Error LlDispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommSt
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
     return err;
+  RefusalNotice notice(lease, stream, 0, Op::kLowLatencyDispatch);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kDispatchOp, peers, num_experts, reserved_bytes); err.failure())
@@ -147,7 +150,7 @@ ffi::Error LlDispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommSt
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   SetDispatchOutputs(a, recv_x, recv_scales, recv_count, src_entry);
-  return LaunchDispatch(a, lease, device_ordinal, stream, LlPart::kFused);
+  return LaunchDispatch(a, lease, device_ordinal, stream, LlPart::kFused, &notice);
 }
 
 ffi::Error LlDispatchSendExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
@@ -158,6 +161,7 @@ ffi::Error LlDispatchSendExecute(cudaStream_t stream, int32_t device_ordinal, Co
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
     return err;
+  RefusalNotice notice(lease, stream, 0, Op::kLowLatencyDispatch);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
   if (ffi::Error err = CheckConfig(kDispatchOp, lease.dev->peers(), num_experts, reserved_bytes);
       err.failure())
@@ -169,7 +173,7 @@ ffi::Error LlDispatchSendExecute(cudaStream_t stream, int32_t device_ordinal, Co
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.token_out = token->typed_data();
-  return LaunchDispatch(a, lease, device_ordinal, stream, LlPart::kSend);
+  return LaunchDispatch(a, lease, device_ordinal, stream, LlPart::kSend, &notice);
 }
 
 ffi::Error LlDispatchRecvExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
@@ -201,7 +205,7 @@ ffi::Error LlDispatchRecvExecute(cudaStream_t stream, int32_t device_ordinal, Co
 }
 
 ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_ordinal,
-                         cudaStream_t stream, LlPart part) {
+                         cudaStream_t stream, LlPart part, RefusalNotice* notice = nullptr) {
   const EpPeers peers = lease.dev->peers();
   a.counters = lease.dev->counters;
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kCombineOp, msg);
@@ -212,6 +216,7 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
       err.failure()) {
     return err;
   }
+  if (notice != nullptr) notice->Launched();
   if (cudaError_t err = LaunchLlCombine(a, peers, DeviceSms(device_ordinal), stream, part);
       err != cudaSuccess) {
     return CudaError(err, "low_latency_combine launch");
@@ -270,6 +275,7 @@ ffi::Error LlCombineExecute(cudaStream_t stream, int32_t device_ordinal, CommSta
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
     return err;
+  RefusalNotice notice(lease, stream, 0, Op::kLowLatencyCombine);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kCombineOp, peers, num_experts, reserved_bytes); err.failure())
@@ -287,7 +293,7 @@ ffi::Error LlCombineExecute(cudaStream_t stream, int32_t device_ordinal, CommSta
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
   a.out = out->untyped_data();
-  return LaunchCombine(a, lease, device_ordinal, stream, LlPart::kFused);
+  return LaunchCombine(a, lease, device_ordinal, stream, LlPart::kFused, &notice);
 }
 
 ffi::Error LlCombineSendExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
@@ -299,6 +305,7 @@ ffi::Error LlCombineSendExecute(cudaStream_t stream, int32_t device_ordinal, Com
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
     return err;
+  RefusalNotice notice(lease, stream, 0, Op::kLowLatencyCombine);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
   if (ffi::Error err = CheckConfig(kCombineOp, peers, num_experts, reserved_bytes); err.failure())
@@ -316,7 +323,7 @@ ffi::Error LlCombineSendExecute(cudaStream_t stream, int32_t device_ordinal, Com
   a.recv_count = recv_count.typed_data();
   a.topk_idx = topk_idx.typed_data();
   a.token_out = token->typed_data();
-  return LaunchCombine(a, lease, device_ordinal, stream, LlPart::kSend);
+  return LaunchCombine(a, lease, device_ordinal, stream, LlPart::kSend, &notice);
 }
 
 ffi::Error LlCombineRecvExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,

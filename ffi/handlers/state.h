@@ -128,17 +128,21 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
 // AcquireDevice itself did not refuse (after a fatal error the epochs may
 // already be out of step). Launched() goes before the launches: once any
 // kernel of the op is enqueued it takes part in the barriers itself.
+// A low-latency sending call (`low_latency` = its op) has no barrier to
+// stand in for: it stands in for the call itself (abort.h LaunchLlRefusal).
 class RefusalNotice {
  public:
-  RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers)
-      : lease_(lease), stream_(stream), barriers_(barriers) {}
+  RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers, Op low_latency = Op::kNone)
+      : lease_(lease), stream_(stream), barriers_(barriers), low_latency_(low_latency) {}
   RefusalNotice(const RefusalNotice&) = delete;
   RefusalNotice& operator=(const RefusalNotice&) = delete;
   ~RefusalNotice() {
     const DeviceResources* d = lease_.dev;
     if (armed_ && d != nullptr && d->counters != nullptr && lease_.comm->devices.size() == 1 &&
         d->nranks > 1 && d->gin_mask == 0 && d->side.pending == nullptr) {
-      LaunchRefusedBarriers(d->peers(), barriers_, stream_);  // best effort
+      // best effort
+      if (low_latency_ == Op::kNone) LaunchRefusedBarriers(d->peers(), barriers_, stream_);
+      else LaunchLlRefusal(d->peers(), low_latency_ == Op::kLowLatencyCombine, d->counters, stream_);
     }
   }
   // The op's kernels are about to be enqueued: they take part in the
@@ -149,6 +153,7 @@ class RefusalNotice {
   const DeviceLease& lease_;
   cudaStream_t stream_;
   int barriers_;
+  Op low_latency_;
   bool armed_ = true;
 };
 

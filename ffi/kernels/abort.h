@@ -28,4 +28,15 @@ namespace jax_ep {
 
 cudaError_t LaunchRefusedBarriers(const EpPeers& p, int barriers, cudaStream_t stream);
 
+// The low-latency ops have no barrier in their steady state: a refused
+// sending call (fused, or the send part) stands in for the call on the
+// device instead. The op's sequence number advances as if the call had run
+// and been received, and this rank's header gets a refused record
+// (config_check.cuh) tagged with that number; a peer waiting for this
+// rank's count / flag words reads it and fails with Cause::kPeerRefused at
+// once. Not when the peers' call changes the layout (they wait in the
+// reset's barrier, and time out). `combine`: which op. (low_latency.cu)
+cudaError_t LaunchLlRefusal(const EpPeers& p, bool combine, unsigned long long* counters,
+                            cudaStream_t stream);
+
 }  // namespace jax_ep

@@ -39,6 +39,23 @@ __device__ __forceinline__ OpConfig MakeOpConfig(Op op, const uint32_t (&fields)
   return c;
 }
 
+// A record whose fields are all this: the rank refused the call tagged
+// (abort.h, the low-latency ops).
+constexpr uint32_t kRefusedField = 0xffffffffu;
+
+__device__ __forceinline__ OpConfig RefusedConfig(Op op) {
+  OpConfig c;
+  c.op = static_cast<uint32_t>(op);
+  for (int i = 0; i < kOpConfigFields; ++i) c.v[i] = kRefusedField;
+  return c;
+}
+
+__device__ __forceinline__ bool IsRefused(const OpConfig& c) {
+  bool all = true;
+  for (int i = 0; i < kOpConfigFields; ++i) all &= c.v[i] == kRefusedField;
+  return all;
+}
+
 // 16 bits of the record's op and fields (FNV-1a), never 0. Ops that cannot
 // afford the barrier the record comparison needs carry it in words the
 // peers read anyway (combine's ok words, the low-latency count and flag

@@ -60,6 +60,7 @@ struct EngramFetchArgs {
 // slot's word and the token. A barrier timeout goes to the status word; the
 // token and the word then stay 0.
 cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cudaStream_t stream);
+constexpr int kEngramPublishBarriers = 2;  // what a refusing rank stands in for (abort.h)
 
 // No barrier: the publish that produced the token already ordered everything.
 // An index outside [-1, V) gives a zero row and Op::kEngramFetch /

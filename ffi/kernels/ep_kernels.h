@@ -102,6 +102,11 @@ std::string ValidateDispatch(const DispatchArgs& a, const EpPeers& p);
 std::string ValidateCombine(const CombineArgs& a, const EpPeers& p);
 
 // Enqueues the whole op on `stream`. Device-side errors go to the status word.
+// The rank barriers each op's kernels pass (also when the first fails): what
+// a refusing rank stands in for (abort.h).
+constexpr int kDispatchBarriers = 2;
+constexpr int kCombineBarriers = 1;
+
 cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t stream);
 cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t stream);
 

@@ -10,6 +10,7 @@
 #include "barrier.cuh"
 #include "config_check.cuh"
 #include "ep_copy.cuh"
+#include "abort.h"
 #include "fp8.cuh"
 #include "kernel_load.h"
 #include "low_latency.cuh"
@@ -37,13 +38,14 @@ __device__ __forceinline__ uint32_t LlWordValue(const OpConfig& mine, uint32_t l
   return (ConfigDigest(mine) << 16) | low;
 }
 
-constexpr int64_t kWaitTimedOut = -1, kWaitMismatch = -2;
+constexpr int64_t kWaitTimedOut = -1, kWaitMismatch = -2, kWaitRefused = -3;
 
 // Waits until `word` carries tag `seq` and returns its low 16 bits.
 // kWaitMismatch when the word carries another digest than `mine`'s, or
 // while waiting, peer `peer`'s record for this call differs from `mine`
-// (its words went to its own layout's places); kWaitTimedOut after
-// reporting a timeout.
+// (its words went to its own layout's places); kWaitRefused (reported)
+// when that record says the peer refused this call (abort.h); kWaitTimedOut
+// after reporting a timeout.
 __device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uint64_t seq,
                               int peer, const OpConfig& mine) {
   const unsigned long long t0 = globaltimer_ns();
@@ -58,6 +60,10 @@ __device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uin
       bool torn = false;
       const OpConfig theirs = peer == p.rank ? mine : ReadConfig(p, peer, &torn);
       if (!torn && theirs.tag == mine.tag && theirs.op == mine.op) {
+        if (IsRefused(theirs)) {
+          report_error(p, op, Cause::kPeerRefused, static_cast<uint32_t>(peer));
+          return kWaitRefused;
+        }
         bool same = true;
         for (int i = 0; i < kOpConfigFields; ++i) same &= theirs.v[i] == mine.v[i];
         if (!same) return kWaitMismatch;
@@ -612,6 +618,18 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   }
 }
 
+// abort.h's stand-in for a refused sending call. One thread.
+__global__ void LlRefusalKernel(const __grid_constant__ EpPeers p, bool combine, unsigned long long* ctr) {
+  if (threadIdx.x != 0) return;
+  const int seq_slot = combine ? kLlCombineSeqCounter : kLlDispatchSeqCounter;
+  const int recv_slot = combine ? kLlCombineRecvCounter : kLlDispatchRecvCounter;
+  const unsigned long long seq = ctr[seq_slot] + 1;
+  ctr[seq_slot] = seq;
+  ctr[recv_slot] = seq;
+  const OpConfig c = RefusedConfig(combine ? Op::kLowLatencyCombine : Op::kLowLatencyDispatch);
+  PublishConfig(p, c, static_cast<uint32_t>(seq));
+}
+
 // CTAs that keep a warp on every RowSlices slice of `rows` rows of H bf16.
 int RowWarps(int rows, int H) {
   const long long warps = static_cast<long long>(rows) * std::max(1, (H / 8 + 31) / 32);
@@ -669,8 +687,15 @@ std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
 
 // Every kernel the two launchers below can pick.
 cudaError_t LoadLowLatencyKernels() {
-  return LoadEach(LlDispatchKernel<LlPart::kFused>, LlDispatchKernel<LlPart::kSend>, LlDispatchKernel<LlPart::kRecv>,
+  return LoadEach(LlRefusalKernel, LlDispatchKernel<LlPart::kFused>, LlDispatchKernel<LlPart::kSend>, LlDispatchKernel<LlPart::kRecv>,
                   LlCombineKernel<LlPart::kFused>, LlCombineKernel<LlPart::kSend>, LlCombineKernel<LlPart::kRecv>);
+}
+
+cudaError_t LaunchLlRefusal(const EpPeers& p, bool combine, unsigned long long* counters,
+                            cudaStream_t stream) {
+  if (p.nranks <= 1 || counters == nullptr) return cudaSuccess;
+  LlRefusalKernel<<<1, 32, 0, stream>>>(p, combine, counters);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int device_sms,

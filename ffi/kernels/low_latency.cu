@@ -262,9 +262,10 @@ template <LlPart kPart>
 __global__ void __launch_bounds__(kLlThreads, 1)
     LlDispatchKernel(const __grid_constant__ LlDispatchArgs a, const __grid_constant__ EpPeers p,
                      const __grid_constant__ LlLayout L) {
-  extern __shared__ int32_t smem[];
+  extern __shared__ int32_t smem[];        // LlSendSmemBytes
   int32_t* s_count = smem;                  // [E] rows of this rank per expert
   int32_t* s_slot = smem + a.num_experts;   // [T * K] each entry's row in its slot area
+  int32_t* s_wcount = s_slot + a.num_tokens * a.topk;  // [kLlWarps][E] (step 1)
   const int T = a.num_tokens, K = a.topk, E = a.num_experts, R = p.nranks, M = a.max_tokens;
   const int E_l = E / R, TK = T * K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -282,18 +283,23 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     if (blockIdx.x == 0 && threadIdx.x == 0) PublishConfig(p, mine, mine.tag);
     BeginSend(p, Op::kLowLatencyDispatch, L, ctr, kLlDispatchSeqCounter, kLlDispatchRecvCounter);
     WriteToken<kPart>(a.token_out, seq);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
-    // The ids into shared memory by every thread at once, so the walk
-    // below never waits on global memory.
+    for (int i = threadIdx.x; i < kLlWarps * E; i += blockDim.x) s_wcount[i] = 0;
+    // The ids into shared memory by every thread at once, so the walks
+    // below never wait on global memory.
     for (int q = threadIdx.x; q < TK; q += blockDim.x) s_slot[q] = __ldg(a.topk_idx + q);
     __syncthreads();
 
     // 1. Each entry's slot: its rank among this rank's entries for the same
-    // expert in (t, k) order. Warp 0 of every CTA walks the entries 32 at a
-    // time (a few hundred cycles; cheaper than a grid-wide exchange).
-    if (warp == 0) {
+    // expert in (t, k) order, in every CTA (cheaper than a grid-wide
+    // exchange). Each warp walks its own contiguous run of entries 32 at a
+    // time, counting per expert; a scan over the warps then gives each
+    // run's start per expert. (One warp walking all T * K entries took ~3 µs
+    // at T * K = 1024, docs/low_latency.md.)
+    {
+      const int run = max(32, (TK + kLlWarps * 32 - 1) / (kLlWarps * 32) * 32);
+      int32_t* wc = s_wcount + warp * E;
       bool bad = false;
-      for (int base = 0; base < TK; base += 32) {
+      for (int base = warp * run; base < min(TK, (warp + 1) * run); base += 32) {
         const int q = base + lane;
         int32_t id = q < TK ? s_slot[q] : -1;
         if (id < -1 || id >= E) {
@@ -302,14 +308,29 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         }
         const unsigned same = __match_any_sync(kFullMask, id);
         const int before = __popc(same & ((1u << lane) - 1u));
-        const int slot = id >= 0 ? s_count[id] + before : -1;
+        const int slot = id >= 0 ? wc[id] + before : -1;
         __syncwarp();
-        if (id >= 0 && before == 0) s_count[id] += __popc(same);
+        if (id >= 0 && before == 0) wc[id] += __popc(same);
         __syncwarp();
         if (q < TK) s_slot[q] = slot;
       }
       if (__any_sync(kFullMask, bad) && lane == 0 && blockIdx.x == 0) {
         report_error(p, Op::kLowLatencyDispatch, Cause::kBadExpertId);
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int acc = 0;
+        for (int w2 = 0; w2 < kLlWarps; ++w2) {
+          const int n = s_wcount[w2 * E + e];
+          s_wcount[w2 * E + e] = acc;
+          acc += n;
+        }
+        s_count[e] = acc;
+      }
+      __syncthreads();
+      for (int q = threadIdx.x; q < TK; q += blockDim.x) {
+        const int slot = s_slot[q];
+        if (slot >= 0) s_slot[q] = slot + s_wcount[(q / run) * E + __ldg(a.topk_idx + q)];
       }
     }
     __syncthreads();
@@ -569,8 +590,10 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     const int32_t id = lane < K ? __ldg(a.topk_idx + t * K + lane) : -1;
     const bool valid = !failed && lane < K && id >= 0 && id < E;
     const int key = valid ? id : E + 1 + lane;  // invalid: after every valid one, in k order
+    // Only lanes < K can sort before a valid one (the others' keys are
+    // larger), and an invalid lane's position is not used.
     int pos = 0;
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < K; ++j) {
       const int kj = __shfl_sync(kFullMask, key, j);
       pos += (kj < key) || (kj == key && j < lane);
     }
@@ -630,6 +653,13 @@ __global__ void LlRefusalKernel(const __grid_constant__ EpPeers p, bool combine,
   PublishConfig(p, c, static_cast<uint32_t>(seq));
 }
 
+// A sending dispatch kernel's dynamic shared memory: per-expert counts,
+// each entry's slot, and each warp's per-expert counts.
+size_t LlSendSmemBytes(const LlDispatchArgs& a) {
+  return sizeof(int32_t) * ((1 + static_cast<size_t>(kLlWarps)) * a.num_experts +
+                            static_cast<size_t>(a.num_tokens) * a.topk);
+}
+
 // CTAs that keep a warp on every RowSlices slice of `rows` rows of H bf16.
 int RowWarps(int rows, int H) {
   const long long warps = static_cast<long long>(rows) * std::max(1, (H / 8 + 31) / 32);
@@ -658,9 +688,8 @@ std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
   if (a.hidden < 8 || (a.fp8 ? a.hidden % 128 : a.hidden % 8))
     return a.fp8 ? "hidden must be a positive multiple of 128 for FP8"
                  : "hidden must be a positive multiple of 8";
-  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
-                                         static_cast<size_t>(a.num_tokens) * a.topk);
-  if (smem > 200 * 1024) return "num_experts + tokens * topk too large for one CTA's shared memory";
+  if (LlSendSmemBytes(a) > 200 * 1024)
+    return "17 * num_experts + tokens * topk too large for one CTA's shared memory";
   const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
                                     a.reserved_bytes);
   if (need > p.window_bytes)
@@ -703,10 +732,7 @@ cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int devi
   const int R = p.nranks;
   const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
                    std::max(a.reserved_bytes, kWindowHeaderBytes));
-  const size_t smem = part == LlPart::kRecv
-                          ? 0
-                          : sizeof(int32_t) * (static_cast<size_t>(a.num_experts) +
-                                               static_cast<size_t>(a.num_tokens) * a.topk);
+  const size_t smem = part == LlPart::kRecv ? 0 : LlSendSmemBytes(a);
   auto kernel = part == LlPart::kFused  ? LlDispatchKernel<LlPart::kFused>
                 : part == LlPart::kSend ? LlDispatchKernel<LlPart::kSend>
                                         : LlDispatchKernel<LlPart::kRecv>;

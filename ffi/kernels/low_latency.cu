@@ -531,7 +531,15 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         continue;
       }
       const int s = entry / TK, q = entry - s * TK;
-      uint4* dst = reinterpret_cast<uint4*>(p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes);
+      char* const slot = p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes;
+      if (kPart == LlPart::kFused && s == p.rank) {
+        // This rank's own token: its reduce below reads the row straight
+        // from y (this kernel's input), so only the row's place goes into
+        // the slot, tagged with the call (LocalRow).
+        if (lane == 0) *reinterpret_cast<uint64_t*>(slot) = MakeTagged(seq, static_cast<uint32_t>(l * m_all + i));
+        continue;
+      }
+      uint4* dst = reinterpret_cast<uint4*>(slot);
       const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.y) +
                                                         (static_cast<size_t>(l) * m_all + i) * H * 2);
       for (int base = 0; base < nvec; base += 32 * kUnroll) {
@@ -577,12 +585,14 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   if (blockIdx.x == 0 && threadIdx.x == 0 && s_mismatch != 0) {
     ReportLlMismatch<kPart>(p, Op::kLowLatencyCombine, s_mismatch, mine, ctr);
   }
-  // Per warp: the token's valid slots in ascending (expert, k) order, with
+  // Per warp: the token's valid rows in ascending (expert, k) order, with
   // their weights (shared memory, so the channel loop below needs no
-  // shuffles and may run a different trip count per lane).
-  __shared__ int s_k[kLlWarps][32];
+  // shuffles and may run a different trip count per lane). A row is its
+  // window slot, or (fused kernel, an expert of this rank) its row of y.
+  __shared__ const char* s_row[kLlWarps][32];
   __shared__ float s_w[kLlWarps][32];
   const char* slots = p.base[p.rank] + L.CombRows(b);
+  bool bad_local = false;
   const RowSlices rs(T, nw, nvec);
   for (int task = gw; task < T * rs.per_row; task += nw) {
     const int t = task / rs.per_row, part = task - t * rs.per_row;
@@ -599,7 +609,17 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     const int n_valid = __popc(__ballot_sync(kFullMask, valid));
     if (valid) {
-      s_k[warp][pos] = lane;
+      const char* row = slots + static_cast<size_t>(t * K + lane) * L.y_row_bytes;
+      if (kPart == LlPart::kFused && id / E_l == p.rank) {
+        // The send above left (seq, the row of y) here; another tag means
+        // the handle had no row for this entry: it counts as zeros.
+        const uint64_t w = LdU64Volatile(reinterpret_cast<const uint64_t*>(row));
+        const uint32_t yrow = static_cast<uint32_t>(w);
+        const bool ok = TagMatches(w, seq) && yrow < static_cast<uint32_t>(E_l * m_all);
+        bad_local |= !ok;
+        row = ok ? static_cast<const char*>(a.y) + static_cast<size_t>(yrow) * H * 2 : nullptr;
+      }
+      s_row[warp][pos] = row;
       s_w[warp][pos] = __ldg(a.topk_weights + t * K + lane);
     }
     __syncwarp();
@@ -616,8 +636,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           if (r0 + j < n_valid) {
-            y[j] = LdCg(reinterpret_cast<const uint4*>(
-                            slots + static_cast<size_t>(t * K + s_k[warp][r0 + j]) * L.y_row_bytes) + v);
+            const char* row = s_row[warp][r0 + j];
+            y[j] = row != nullptr ? LdCg(reinterpret_cast<const uint4*>(row) + v) : make_uint4(0, 0, 0, 0);
           }
         }
 #pragma unroll
@@ -635,6 +655,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     }
     __syncwarp();
   }
+  if (__any_sync(kFullMask, bad_local) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
   Received(ctr, kLlCombineRecvCounter, seq);
   if constexpr (kPart == LlPart::kFused) {
     Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter, seq, L);

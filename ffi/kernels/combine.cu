@@ -68,8 +68,8 @@ __device__ __forceinline__ OpConfig CombineConfig(const CombineCfg& c, const Com
                         static_cast<uint32_t>(c.E), FormatWord(elem, false, c.expert != 0)};
   return MakeOpConfig(Op::kCombine, v);
 }
-__device__ __forceinline__ uint32_t CombineOkValue(const CombineCfg& c, const CombineWindow& w) {
-  return (ConfigDigest(CombineConfig(c, w)) << 16) | 1u;
+__device__ __forceinline__ uint32_t CombineOkValue(const OpConfig& cfg) {
+  return (ConfigDigest(cfg) << 16) | 1u;
 }
 
 // Expert layout: the handle's rows are checked and counted by scanner
@@ -178,9 +178,10 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
       if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + slot), word);
       else PutControlWord(p, j, slot, w.sent_out_off + sizeof(uint64_t) * j, word, Op::kCombine);
     }
-    const OpConfig cfg = CombineConfig(c, w);
-    const uint32_t ok_value = CombineOkValue(c, w);
-    PublishConfig(p, cfg, static_cast<uint32_t>(tag));
+    OpConfig cfg = CombineConfig(c, w);
+    cfg.tag = static_cast<uint32_t>(tag);
+    const uint32_t ok_value = CombineOkValue(cfg);
+    PublishConfig(p, cfg, cfg.tag);
     PublishOkAndBarrier(p, w.ok_off, !bad && !has_error(p), ok_value, Op::kCombine);
     // Every rank sees the same ok words, so a peer that failed or called
     // with another configuration stops every rank's sends (CombineData);
@@ -194,10 +195,8 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
       if (v == 0u) {
         report_error(p, Op::kCombine, Cause::kPeerTimeout, 0x80u | static_cast<uint32_t>(j));
       } else if (v != ok_value) {
-        OpConfig mine = cfg;
-        mine.tag = static_cast<uint32_t>(tag);
         bool torn = false;
-        ReportConfigMismatch(p, Op::kCombine, j, mine, ReadConfig(p, j, &torn));
+        ReportConfigMismatch(p, Op::kCombine, j, cfg, ReadConfig(p, j, &torn));
       }
       if (v != ok_value) break;
     }
@@ -395,7 +394,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   const bool sender = static_cast<int>(blockIdx.x) < send_blocks;
   if (threadIdx.x < kMaxRanks) s_sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
-    s_ok = FirstPeerNotOk(p, w.ok_off, CombineOkValue(c, w)) < 0;
+    s_ok = FirstPeerNotOk(p, w.ok_off, CombineOkValue(CombineConfig(c, w))) < 0;
     const uint64_t* sent = reinterpret_cast<const uint64_t*>(p.base[r] + w.sent_off);
     for (int j = 0; j < R; ++j) {
       const uint64_t word = LdU64Volatile(sent + j);

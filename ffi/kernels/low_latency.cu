@@ -293,8 +293,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     // expert in (t, k) order, in every CTA (cheaper than a grid-wide
     // exchange). Each warp walks its own contiguous run of entries 32 at a
     // time, counting per expert; a scan over the warps then gives each
-    // run's start per expert. (One warp walking all T * K entries took ~3 µs
-    // at T * K = 1024, docs/low_latency.md.)
+    // run's start per expert. (One warp walking all T * K entries held every
+    // warp ~5 µs at T * K = 1024, docs/low_latency.md.)
     {
       const int run = max(32, (TK + kLlWarps * 32 - 1) / (kLlWarps * 32) * 32);
       int32_t* wc = s_wcount + warp * E;
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       if (kPart == LlPart::kFused && s == p.rank) {
         // This rank's own token: its reduce below reads the row straight
         // from y (this kernel's input), so only the row's place goes into
-        // the slot, tagged with the call (LocalRow).
+        // the slot, tagged with the call (read in step 3).
         if (lane == 0) *reinterpret_cast<uint64_t*>(slot) = MakeTagged(seq, static_cast<uint32_t>(l * m_all + i));
         continue;
       }

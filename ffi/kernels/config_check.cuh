@@ -39,6 +39,12 @@ __device__ __forceinline__ OpConfig MakeOpConfig(Op op, const uint32_t (&fields)
   return c;
 }
 
+__device__ __forceinline__ bool SameFields(const OpConfig& a, const OpConfig& b) {
+  bool same = true;
+  for (int i = 0; i < kOpConfigFields; ++i) same &= a.v[i] == b.v[i];
+  return same;
+}
+
 // A record whose fields are all this: the rank refused the call tagged
 // (abort.h, the low-latency ops).
 constexpr uint32_t kRefusedField = 0xffffffffu;
@@ -138,9 +144,7 @@ __device__ inline bool PeersShareConfig(const EpPeers& p, Op op) {
     bool torn = false;
     const OpConfig theirs = ReadConfig(p, j, &torn);
     if (torn || static_cast<int32_t>(theirs.tag - tag) > 0) continue;
-    bool same = theirs.tag == tag && theirs.op == mine->op;
-    for (int i = 0; i < kOpConfigFields; ++i) same &= theirs.v[i] == mine->v[i];
-    if (same) continue;
+    if (theirs.tag == tag && theirs.op == mine->op && SameFields(theirs, *mine)) continue;
     ReportConfigMismatch(p, op, j, *mine, theirs);
     return false;
   }

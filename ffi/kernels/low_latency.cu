@@ -64,9 +64,7 @@ __device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uin
           report_error(p, op, Cause::kPeerRefused, static_cast<uint32_t>(peer));
           return kWaitRefused;
         }
-        bool same = true;
-        for (int i = 0; i < kOpConfigFields; ++i) same &= theirs.v[i] == mine.v[i];
-        if (!same) return kWaitMismatch;
+        if (!SameFields(theirs, mine)) return kWaitMismatch;
       }
       if (globaltimer_ns() - t0 > p.timeout_ns) {
         report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(peer));

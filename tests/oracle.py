@@ -150,6 +150,42 @@ def quantize_fp8(x: np.ndarray, ue8m0: bool = False) -> tuple[np.ndarray, np.nda
     return q.reshape(x.shape), s.astype(np.float32)
 
 
+def fp8_round_trip(x: np.ndarray) -> np.ndarray:
+    """x[..., H] cast per (row, 128 channels) and back, in float64."""
+    q, s = quantize_fp8(x)
+    H = x.shape[-1]
+    v = q.astype(np.float64).reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
+    return (v * s[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def fp8_block_round_trip(w: np.ndarray) -> np.ndarray:
+    """w[G, H, F] cast per 128 x 128 block and back, in float64."""
+    G, H, F = w.shape
+    b = w.astype(np.float32).reshape(G, H // FP8_BLOCK, FP8_BLOCK, F // FP8_BLOCK, FP8_BLOCK)
+    amax = np.max(np.abs(b), axis=(2, 4))
+    s = (np.maximum(amax, np.float32(1e-4)) * (np.float32(1.0) / np.float32(E4M3_MAX))).astype(np.float32)
+    inv = (np.float32(1.0) / s).astype(np.float32)
+    q = np.clip((b * inv[:, :, None, :, None]).astype(np.float32), -E4M3_MAX, E4M3_MAX).astype(FP8)
+    return (q.astype(np.float64) * s[:, :, None, :, None]).reshape(G, H, F)
+
+
+def fp8_token_round_trip(x: np.ndarray, sizes) -> np.ndarray:
+    """x[M, C] cast per (channel, 128 tokens of one group) and back, in
+    float64: the weight gradient's operand cast. Rows past the groups are 0."""
+    out = np.zeros(x.shape, np.float64)
+    start = 0
+    for n in sizes:
+        for c0 in range(start, start + n, FP8_BLOCK):
+            c1 = min(c0 + FP8_BLOCK, start + n)
+            # A chunk is a (tokens x channels) block: transpose so that the
+            # 128 tokens are the quantiser's last axis (padded with zeros).
+            blk = np.zeros((FP8_BLOCK, x.shape[1]), np.float32)
+            blk[:c1 - c0] = x[c0:c1]
+            out[c0:c1] = fp8_round_trip(blk.T).T[:c1 - c0]
+        start += n
+    return out
+
+
 # --------------------------------------------------------------------------- layout
 
 

@@ -200,3 +200,139 @@ def test_cuda_lowering_of_fp8_holds_the_fp8_call(masked, backend):
   f = jax.jit(lambda x, w, s: op(x, w, s, backend=backend))
   text = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
   assert text.count("custom_call @jax_ep_grouped_gemm_fp8") == 1
+
+
+# --- FP8 training: forward, dgrad and wgrad through custom_vjp ---------------
+
+FP8_TRAIN_PATTERNS = [
+    ("uniform", 4, 512, [128, 128, 128, 128]),
+    ("empty_groups", 5, 400, [0, 200, 0, 131, 0]),
+    ("all_in_one", 3, 300, [0, 300, 0]),
+    ("odd_sizes", 3, 384, [7, 255, 121]),
+    ("padding_tail", 3, 320, [100, 5, 90]),
+]
+
+
+def _fp8_train_inputs(seed, G, M, H=256, F=256):
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((M, H)) * 2.0).astype(np.float32)
+  w = (rng.standard_normal((G, H, F)) / np.sqrt(H)).astype(np.float32)
+  dy = rng.standard_normal((M, F)).astype(np.float32)
+  return x, w, dy
+
+
+def _fp8_train_run(x, w, sizes, dy, backend="reference"):
+  def f(x, w):
+    return jax_ep.grouped_matmul_fp8(x, w, jnp.asarray(sizes, jnp.int32), backend=backend)
+  out, pull = jax.vjp(jax.jit(f), jnp.asarray(x, jnp.bfloat16), jnp.asarray(w))
+  dx, dw = pull(jnp.asarray(dy, jnp.bfloat16))
+  return (np.asarray(out, np.float64), np.asarray(dx, np.float64), np.asarray(dw, np.float64))
+
+
+@pytest.mark.parametrize("name,G,M,sizes", FP8_TRAIN_PATTERNS,
+                         ids=[p[0] for p in FP8_TRAIN_PATTERNS])
+def test_fp8_training_matches_the_quantised_float64_oracle(name, G, M, sizes):
+  """Forward, dx and dw of the FP8 path equal float64 products of the
+  operands cast exactly as the contract says (x per row x 128 channels, w per
+  128 x 128 block, dy per row x 128 of F for dx, x and dy per channel x 128
+  tokens of one group for dw), up to bf16 output rounding; and they sit
+  within e4m3's error of the unquantised product, which a wrong scale breaks."""
+  x, w, dy = _fp8_train_inputs(stable_seed("fp8_train", name), G, M)
+  xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+  dyb = np.asarray(jnp.asarray(dy, jnp.bfloat16), np.float32)
+  out, dx, dw = _fp8_train_run(x, w, sizes, dy)
+  n = sum(sizes)
+  wq = oracle.fp8_block_round_trip(w)
+  want_out = oracle.grouped_matmul(oracle.fp8_round_trip(xb), wq, sizes)
+  want_dx, _ = oracle.grouped_matmul_grads(xb, wq, sizes,
+                                           oracle.fp8_round_trip(dyb))
+  _, want_dw = oracle.grouped_matmul_grads(oracle.fp8_token_round_trip(xb, sizes), w, sizes,
+                                           oracle.fp8_token_round_trip(dyb, sizes))
+  for got, want in ((out, want_out), (dx, want_dx), (dw, want_dw)):
+    _close(got, want, 1e-2)
+  exact_out = oracle.grouped_matmul(xb, w, sizes)
+  exact_dx, exact_dw = oracle.grouped_matmul_grads(xb, w, sizes, dyb)
+  for got, exact in ((out, exact_out), (dx, exact_dx), (dw, exact_dw)):
+    # e4m3 keeps 3 mantissa bits: each operand within 2^-4 relative, so a
+    # product's norm-wise error stays near 2^-4 (random signs); 0.06 leaves
+    # room, a scale off by 2 on one block of two does not fit.
+    _close(got, exact, 0.06)
+  assert np.all(out[n:] == 0) and np.all(dx[n:] == 0)
+  for g, s in enumerate(sizes):
+    if s == 0:
+      assert np.all(dw[g] == 0)
+
+
+def test_fp8_training_accepts_a_cached_weight_copy_and_f32_masters():
+  x, w, dy = _fp8_train_inputs(3, 3, 256)
+  sizes = jnp.asarray([100, 0, 150], jnp.int32)
+  cached = jax_ep.fp8_weights(jnp.asarray(w))
+  f = lambda x, w, c: jax_ep.grouped_matmul_fp8(x, w, sizes, w_fp8=c, backend="reference")
+  g = lambda x, w: jax_ep.grouped_matmul_fp8(x, w, sizes, backend="reference")
+  xb = jnp.asarray(x, jnp.bfloat16)
+  a, pa = jax.vjp(lambda x, w: f(x, w, cached), xb, jnp.asarray(w))
+  b, pb = jax.vjp(g, xb, jnp.asarray(w))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for u, v in zip(pa(jnp.asarray(dy, jnp.bfloat16)), pb(jnp.asarray(dy, jnp.bfloat16))):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+  assert pa(jnp.asarray(dy, jnp.bfloat16))[1].dtype == jnp.float32
+
+
+def test_fp8_training_propagates_nan_and_handles_zero_blocks():
+  x, w, _ = _fp8_train_inputs(4, 2, 256)
+  x[:128] = 0.0   # an all-zero block gets the floor scale, not a NaN
+  x[200, 5] = np.nan
+  sizes = jnp.asarray([128, 128], jnp.int32)
+  out = np.asarray(jax_ep.grouped_matmul_fp8(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), sizes,
+                                             backend="reference"), np.float32)
+  assert np.all(out[:128] == 0)
+  assert np.all(np.isnan(out[200]))
+  assert np.all(np.isfinite(np.delete(out[128:], 200 - 128, axis=0)))
+
+
+def test_fp8_training_bad_arguments_name_them():
+  x = jnp.zeros((64, 256), jnp.bfloat16)
+  s = jnp.asarray([32, 32], jnp.int32)
+  with pytest.raises(ValueError, match="multiples of 128"):
+    jax_ep.grouped_matmul_fp8(x[:, :200], jnp.zeros((2, 200, 128)), s)
+  with pytest.raises(ValueError, match="x must be bf16 or f32"):
+    jax_ep.grouped_matmul_fp8(x.astype(jnp.float16), jnp.zeros((2, 256, 128)), s)
+  with pytest.raises(ValueError, match="w_fp8"):
+    jax_ep.grouped_matmul_fp8(x, jnp.zeros((2, 256, 128)), s, w_fp8=(1, 2))
+  with pytest.raises(ValueError, match="w_fp8"):
+    jax_ep.grouped_matmul_fp8(x, jnp.zeros((2, 256, 128)), s,
+                              w_fp8=jax_ep.fp8_weights(jnp.zeros((2, 256, 256))))
+
+
+def test_token_major_cast_pads_each_group_to_whole_chunks():
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((300, 128)).astype(np.float32)
+  sizes = [7, 0, 200, 50]
+  q, s, psizes = jax_ep.ops.grouped_gemm.quantize_token_major(jnp.asarray(x),
+                                                             jnp.asarray(sizes, jnp.int32))
+  assert q.shape == (128, jax_ep.ops.grouped_gemm.padded_token_count(300, 4))
+  np.testing.assert_array_equal(np.asarray(psizes), [128, 0, 256, 128])
+  v = np.asarray(q, np.float64).T.reshape(-1, 128, 128) * np.asarray(s, np.float64)[:, None, :]
+  v = v.reshape(-1, 128)
+  want = oracle.fp8_token_round_trip(x, sizes)
+  np.testing.assert_array_equal(v[0:7], want[0:7])
+  assert np.all(v[7:128] == 0)
+  np.testing.assert_array_equal(v[128:328], want[7:207])
+  np.testing.assert_array_equal(v[384:434], want[207:257])
+  assert np.all(v[434:] == 0)
+
+
+def test_cuda_lowering_of_fp8_training_holds_forward_dgrad_and_wgrad():
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.float32)
+  s = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+  def loss(x, w, s):
+    return jnp.sum(jax_ep.grouped_matmul_fp8(x, w, s, backend="cuda").astype(jnp.float32) ** 2)
+
+  if not _native.cuda_built():
+    pytest.skip("backend='cuda' needs the CUDA build to trace")
+  checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm_fp8")]
+  exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                          disabled_checks=checks)(x, w, s)
+  assert exp.mlir_module().count("custom_call @jax_ep_grouped_gemm_fp8") == 3

@@ -114,25 +114,16 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device_ordinal,
   return Launch(g, stream, device_ordinal, num_sms, *workspace);
 }
 
+// The FP8 products (GroupedGemmArgs in grouped_gemm.h has the layouts).
 // kForwardFp8: xq [rows, H] (or [G, S, H]) e4m3, xs [rows, H/128] (or
 // [G, S, H/128]) f32, wq [G, F, H] e4m3, ws [G, H/128, F/128] f32 -> out
-// [rows, F] (or [G, S, F]) bf16.
-ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal,
-                                 int64_t group_stride, int32_t num_sms, ffi::AnyBuffer a,
-                                 ffi::Buffer<ffi::F32> a_scales, ffi::AnyBuffer b,
-                                 ffi::Buffer<ffi::F32> b_scales,
-                                 ffi::Buffer<ffi::S32> group_sizes,
-                                 ffi::Result<ffi::AnyBuffer> out,
-                                 ffi::Result<ffi::AnyBuffer> workspace) {
-  if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN) {
-    return Invalid("FP8 operands must be float8_e4m3fn");
-  }
-  if (out->element_type() != ffi::DataType::BF16) return Invalid("FP8 output must be bf16");
+// [rows, F] (or [G, S, F]) bf16. The same call with (dy, w as stored) is the
+// FP8 dgrad.
+ffi::Error SetForwardFp8(GroupedGemmArgs& g, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scales,
+                         ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scales, int64_t group_stride,
+                         int64_t out_elems) {
   const auto ad = a.dimensions();
   const auto bd = b.dimensions();
-  GroupedGemmArgs g;
-  g.kind = GgKind::kForwardFp8;
-  g.num_groups = static_cast<int>(group_sizes.element_count());
   if (ad.size() < 2 || bd.size() != 3 || bd[0] != g.num_groups || bd[2] != ad.back()) {
     return Invalid("FP8: x must be [M, H] (or [G, S, H]) and w [G, F, H]");
   }
@@ -146,16 +137,77 @@ ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal,
       static_cast<int64_t>(b_scales.element_count()) != g.num_groups * (g.h / 128) * (g.f / 128)) {
     return Invalid("FP8: scales must be [M, H/128] (or [G, S, H/128]) and [G, H/128, F/128]");
   }
-  if (static_cast<int64_t>(out->element_count()) != g.rows * g.f) {
-    return Invalid("output shape does not match the operands");
+  if (out_elems != g.rows * g.f) return Invalid("output shape does not match the operands");
+  return ffi::Error::Success();
+}
+
+// kWeightGradFp8: xT [H, P] e4m3, xs [P/128, H] f32, dyT [F, P] e4m3, dys
+// [P/128, F] f32, padded group sizes [G] -> dw [G, H, F] bf16.
+ffi::Error SetWeightGradFp8(GroupedGemmArgs& g, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scales,
+                            ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scales,
+                            int64_t group_stride, int64_t out_elems) {
+  const auto ad = a.dimensions();
+  const auto bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) {
+    return Invalid("FP8 weight gradient: xT must be [H, P] and dyT [F, P]");
   }
+  if (group_stride != 0) return Invalid("FP8 weight gradient: contiguous groups only");
+  g.h = ad[0];
+  g.f = bd[0];
+  g.rows = ad[1];
+  if (g.h % 128 != 0 || g.f % 128 != 0 || g.rows % 128 != 0) {
+    return Invalid("FP8 weight gradient: H, F and the padded token count must be multiples of 128");
+  }
+  if (g.h * g.rows >= (int64_t{1} << 31) || g.f * g.rows >= (int64_t{1} << 31)) {
+    return Invalid("FP8 weight gradient: operands must hold fewer than 2^31 elements");
+  }
+  if (static_cast<int64_t>(a_scales.element_count()) != (g.rows / 128) * g.h ||
+      static_cast<int64_t>(b_scales.element_count()) != (g.rows / 128) * g.f) {
+    return Invalid("FP8 weight gradient: scales must be [P/128, H] and [P/128, F]");
+  }
+  if (out_elems != g.num_groups * g.h * g.f) return Invalid("output must be [G, H, F]");
+  g.group_stride = 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal, int32_t kind,
+                                 int64_t group_stride, int32_t num_sms, ffi::AnyBuffer a,
+                                 ffi::Buffer<ffi::F32> a_scales, ffi::AnyBuffer b,
+                                 ffi::Buffer<ffi::F32> b_scales,
+                                 ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> workspace) {
+  if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN) {
+    return Invalid("FP8 operands must be float8_e4m3fn");
+  }
+  if (out->element_type() != ffi::DataType::BF16) return Invalid("FP8 output must be bf16");
+  GroupedGemmArgs g;
+  g.num_groups = static_cast<int>(group_sizes.element_count());
+  const int64_t out_elems = static_cast<int64_t>(out->element_count());
+  ffi::Error err = ffi::Error::Success();
+  if (kind == static_cast<int>(GgKind::kForwardFp8)) {
+    g.kind = GgKind::kForwardFp8;
+    err = SetForwardFp8(g, a, a_scales, b, b_scales, group_stride, out_elems);
+  } else if (kind == static_cast<int>(GgKind::kWeightGradFp8)) {
+    g.kind = GgKind::kWeightGradFp8;
+    err = SetWeightGradFp8(g, a, a_scales, b, b_scales, group_stride, out_elems);
+  } else {
+    return Invalid("unknown FP8 kind " + std::to_string(kind));
+  }
+  if (err.failure()) return err;
   g.a = a.untyped_data();
   g.b = b.untyped_data();
   g.a_scales = a_scales.typed_data();
   g.b_scales = b_scales.typed_data();
   g.out = out->untyped_data();
   g.group_sizes = group_sizes.typed_data();
-  if (g.rows == 0) return ffi::Error::Success();
+  if (out_elems == 0) return ffi::Error::Success();
+  if (g.num_groups == 0 || g.rows == 0) {
+    cudaError_t e = cudaMemsetAsync(g.out, 0, out->size_bytes(), stream);
+    return e == cudaSuccess ? ffi::Error::Success()
+                            : ffi::Error::Internal(std::string("jax_ep grouped_matmul: ") +
+                                                   cudaGetErrorString(e));
+  }
   return Launch(g, stream, device_ordinal, num_sms, *workspace);
 }
 
@@ -179,6 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute, jax_ep::GroupedGemmFp8
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Attr<int32_t>("kind")
                                   .Attr<int64_t>("group_stride")
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()

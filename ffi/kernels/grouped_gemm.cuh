@@ -86,8 +86,12 @@ struct Fp8Schedule {
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// x's scales K-major: row m's H/128 scales contiguous, [rows, H/128], exactly
+// as quantize and dispatch write them. The kernel reads each group's scales
+// from its first row on, so no per-call regrouping pass is needed.
 struct Fp8Scales {
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
+      1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 };
@@ -101,6 +105,30 @@ struct Fp8Config
   static constexpr bool kBlockScaled = true;
   using LayoutSFA = Fp8Scales::LayoutSFA;
   using LayoutSFB = Fp8Scales::LayoutSFB;
+};
+
+// FP8 weight gradient, dw[g] = x_g^T dy_g with K = the group's tokens. Both
+// operands come transposed and quantised per (channel, 128 tokens), each
+// group starting at a 128-token boundary of the padded token axis (zeros
+// fill a group's last chunk): xT [H, Mpad], dyT [F, Mpad] e4m3, K-major as
+// FP8 tensor cores need. Their scales are one per channel and chunk, stored
+// chunk-major ([Mpad/128, H] and [Mpad/128, F]), so a group's scales are the
+// contiguous rows of its chunks.
+struct Fp8WgradScales {
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
+      1, 1, 128, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+};
+
+struct Fp8WgradConfig
+    : GemmOf<Fp8Schedule, cutlass::float_e4m3_t,
+             cute::tuple<cutlass::layout::RowMajor*, Fp8WgradScales::LayoutSFA*>,
+             cute::tuple<cutlass::layout::ColumnMajor*, Fp8WgradScales::LayoutSFB*>,
+             cutlass::bfloat16_t, cutlass::layout::RowMajor> {
+  static constexpr bool kBlockScaled = true;
+  using LayoutSFA = Fp8WgradScales::LayoutSFA;
+  using LayoutSFB = Fp8WgradScales::LayoutSFB;
 };
 
 // The per-group arrays the grouped kernel reads, carved from one scratch
@@ -121,21 +149,16 @@ struct Arrays {
   int32_t* sizes;   // effective (clamped) rows per group
   int64_t* starts;  // first row of each group
   int64_t* total;   // rows covered by the groups (contiguous form)
-  float* sfa_grouped;  // FP8: x's scales regrouped per group (RegroupScales)
   void* workspace;
 
   static size_t Align(size_t n) { return (n + 255) & ~size_t{255}; }
-  static size_t RegroupBytes(const GroupedGemmArgs& args) {
-    return C::kBlockScaled ? Align(sizeof(float) * args.rows * (args.h / 128)) : 0;
-  }
   static size_t ArraysBytes(const GroupedGemmArgs& args) {
     const int g = args.num_groups;
     return Align(sizeof(ProblemMNK) * g) + 3 * Align(sizeof(void*) * g) +
            Align(sizeof(typename C::StrideA) * g) + Align(sizeof(typename C::StrideB) * g) +
            Align(sizeof(typename C::StrideD) * g) + 2 * Align(sizeof(void*) * g) +
            Align(sizeof(typename C::LayoutSFA) * g) + Align(sizeof(typename C::LayoutSFB) * g) +
-           Align(sizeof(int32_t) * g) + Align(sizeof(int64_t) * g) + Align(sizeof(int64_t)) +
-           RegroupBytes(args);
+           Align(sizeof(int32_t) * g) + Align(sizeof(int64_t) * g) + Align(sizeof(int64_t));
   }
   static Arrays Carve(void* base, const GroupedGemmArgs& args) {
     const int g = args.num_groups;
@@ -160,7 +183,6 @@ struct Arrays {
     r.sizes = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * g));
     r.starts = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * g));
     r.total = reinterpret_cast<int64_t*>(take(sizeof(int64_t)));
-    r.sfa_grouped = reinterpret_cast<float*>(take(RegroupBytes(args)));
     r.workspace = p;
     return r;
   }
@@ -188,6 +210,10 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
     const bool live = g < args.num_groups;
     int64_t want = live ? args.group_sizes[g] : 0;
     if (want < 0) want = 0;
+    // The FP8 weight gradient's groups start on 128-token chunks (its scale
+    // granularity): a size that is not a chunk multiple is rounded up, as the
+    // operands were padded.
+    if constexpr (kKind == GgKind::kWeightGradFp8) want = (want + 127) / 128 * 128;
     if (args.group_stride > 0) want = want < args.group_stride ? want : args.group_stride;
     int64_t start = 0, chunk_total = 0;
     Scan(scan_tmp).ExclusiveSum(want, start, chunk_total);
@@ -229,19 +255,40 @@ __global__ void __launch_bounds__(kPrepThreads) PrepGroups(GroupedGemmArgs args,
         arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, h, 1});
         arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {f, h, 1});
         arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, f, 1});
-        // CUTLASS's grouped blockwise kernel ignores these layouts and
-        // derives each group's from its problem shape: x's scales M-major and
-        // compact per group ([H/128, M_g]), w's [H/128, F/128]. RegroupScales
-        // writes x's that way; the layouts below say the same.
-        const int64_t slot = args.group_stride > 0 ? g * args.group_stride : start;
-        arr.sfa[g] = arr.sfa_grouped + slot * kb;
+        // CUTLASS's grouped blockwise kernel derives each group's scale
+        // layout from its problem shape (K-major: row stride H/128), so the
+        // group's scales start at its first row; the layouts say the same.
+        arr.sfa[g] = args.a_scales + start * kb;
         arr.lsfa[g] = typename C::LayoutSFA(
             make_shape(make_shape(Int<1>{}, m), make_shape(Int<128>{}, kb), 1),
-            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, m), m * kb));
+            make_stride(make_stride(_0{}, kb), make_stride(_0{}, _1{}), m * kb));
         arr.sfb[g] = args.b_scales + static_cast<int64_t>(g) * kb * nb;
         arr.lsfb[g] = typename C::LayoutSFB(
             make_shape(make_shape(Int<128>{}, nb), make_shape(Int<128>{}, kb), 1),
             make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, nb), nb * kb));
+      } else if constexpr (kKind == GgKind::kWeightGradFp8) {
+        // a = xT [H, rows], b = dyT [F, rows] (rows = the padded token axis),
+        // group g's K = m tokens from column `start`, both multiples of 128.
+        using namespace cute;
+        const int h = static_cast<int>(H), f = static_cast<int>(F);
+        const int kc = m / 128;  // chunks of this group
+        arr.shapes[g] = ProblemMNK(m > 0 ? h : 0, f, m);
+        arr.a[g] = a + start;
+        arr.b[g] = b + start;
+        arr.d[g] = out + g * H * F;
+        arr.sa[g] = cutlass::make_cute_packed_stride(typename C::StrideA{},
+                                                     {h, static_cast<int>(args.rows), 1});
+        arr.sb[g] = cutlass::make_cute_packed_stride(typename C::StrideB{},
+                                                     {f, static_cast<int>(args.rows), 1});
+        arr.sd[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {h, f, 1});
+        arr.sfa[g] = args.a_scales + (start / 128) * H;
+        arr.lsfa[g] = typename C::LayoutSFA(
+            make_shape(make_shape(Int<1>{}, h), make_shape(Int<128>{}, kc), 1),
+            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, h), h * kc));
+        arr.sfb[g] = args.b_scales + (start / 128) * F;
+        arr.lsfb[g] = typename C::LayoutSFB(
+            make_shape(make_shape(Int<1>{}, f), make_shape(Int<128>{}, kc), 1),
+            make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, f), f * kc));
       } else {
         // K = m. A group with no rows gets no tiles (M = 0): CUTLASS leaves
         // the accumulators uninitialised when K is 0, so ZeroEmptyGroups
@@ -276,37 +323,6 @@ __global__ void ZeroTailRows(uint4* out, int64_t row_vecs, int64_t rows, const i
   for (int64_t i = begin + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < end;
        i += int64_t(gridDim.x) * blockDim.x) {
     out[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// FP8: x's scales, [rows, H/128] as quantize/dispatch give them, rewritten
-// per group as the kernel reads them: group g's block [H/128, M_g] (row m of
-// 128-channel block k at k * M_g + m) at offset slot_g * H/128. Rows outside
-// every group are skipped.
-__global__ void RegroupScales(const float* xs, float* out, int64_t rows, int kb, int groups,
-                              int64_t group_stride, const int64_t* starts, const int32_t* sizes,
-                              const int64_t* total) {
-  const int64_t n = rows * kb;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / kb;
-    const int k = static_cast<int>(i % kb);
-    int g;
-    if (group_stride > 0) {
-      g = static_cast<int>(r / group_stride);
-    } else {
-      if (r >= *total) continue;
-      int lo = 0, hi = groups;  // last group whose start is <= r
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (starts[mid] <= r) lo = mid; else hi = mid;
-      }
-      g = lo;
-    }
-    const int64_t m = r - starts[g];
-    if (m < 0 || m >= sizes[g]) continue;
-    const int64_t slot = group_stride > 0 ? g * group_stride : starts[g];
-    out[slot * kb + int64_t(k) * sizes[g] + m] = xs[i];
   }
 }
 
@@ -356,15 +372,8 @@ const char* Run(const GroupedGemmArgs& args, void* scratch, int sms, cudaStream_
   const Arrays<C> arr = Arrays<C>::Carve(scratch, args);
   PrepGroups<C, kKind><<<1, kPrepThreads, 0, stream>>>(args, arr);
   if (cudaGetLastError() != cudaSuccess) return "prep kernel launch failed";
-  if constexpr (C::kBlockScaled) {
-    RegroupScales<<<2 * sms, 256, 0, stream>>>(args.a_scales, arr.sfa_grouped, args.rows,
-                                               static_cast<int>(args.h / 128), args.num_groups,
-                                               args.group_stride, arr.starts, arr.sizes,
-                                               arr.total);
-    if (cudaGetLastError() != cudaSuccess) return "scale regroup launch failed";
-  }
   constexpr int kZeroThreads = 256;
-  if constexpr (kKind == GgKind::kWeightGrad) {
+  if constexpr (kKind == GgKind::kWeightGrad || kKind == GgKind::kWeightGradFp8) {
     const int64_t group_vecs = args.h * args.f * int64_t(sizeof(typename C::D)) / 16;
     dim3 grid(64, args.num_groups);
     ZeroEmptyGroups<<<grid, kZeroThreads, 0, stream>>>(static_cast<uint4*>(args.out), group_vecs,

@@ -28,6 +28,10 @@ enum class GgKind : int {
   // operands, f32 scales per (row, 128 channels) of x and per 128 x 128
   // block of w, applied to the f32 accumulators (no dequantised copy).
   kForwardFp8 = 3,
+  // out[g][H, F] = (xT * xs)[H, K_g] @ ((dyT * dys)[F, K_g])^T: the FP8
+  // weight gradient over group g's tokens (K_g, a multiple of 128), both
+  // operands transposed and scaled per (channel, 128 tokens).
+  kWeightGradFp8 = 4,
 };
 
 enum class GgOut : int { kBF16 = 0, kF32 = 1 };
@@ -41,6 +45,10 @@ struct GroupedGemmArgs {
   // kForwardFp8: a = xq [rows, H] e4m3, b = wq [G, F, H] e4m3 (K-major, as
   //   FP8 wgmma needs), out [rows, F]; a_scales [rows, H/128] (x's scales as
   //   quantize/dispatch give them); b_scales [G, H/128, F/128].
+  // kWeightGradFp8: a = xT [H, rows] e4m3, b = dyT [F, rows] e4m3 (rows = the
+  //   padded token axis, each group starting on a 128-token chunk),
+  //   a_scales [rows/128, H], b_scales [rows/128, F]; out [G, H, F] bf16;
+  //   group_sizes are the groups' padded sizes.
   const void* a = nullptr;
   const void* b = nullptr;
   const float* a_scales = nullptr;
@@ -58,10 +66,9 @@ struct GroupedGemmArgs {
   int num_sms = 0;  // 0: all of the device's
 };
 
-// Bytes of device scratch one call needs: the per-group arrays (for FP8
-// also x's scales regrouped, rows * H/128 floats) plus CUTLASS's own
-// workspace (tensor maps per SM). Reads kind, out_dtype, num_groups, and for
-// FP8 rows and h.
+// Bytes of device scratch one call needs: the per-group arrays plus
+// CUTLASS's own workspace (tensor maps per SM). Reads kind, out_dtype and
+// num_groups.
 size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int device_sms);
 
 // Enqueues the whole op on `stream`: prep, the grouped kernel, and the zero
@@ -78,9 +85,11 @@ size_t GgScratchForward(const GroupedGemmArgs&, int sms);
 size_t GgScratchTransW(const GroupedGemmArgs&, int sms);
 size_t GgScratchWeightGrad(const GroupedGemmArgs&, int sms);
 size_t GgScratchForwardFp8(const GroupedGemmArgs&, int sms);
+size_t GgScratchWeightGradFp8(const GroupedGemmArgs&, int sms);
 const char* GgRunForward(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunTransW(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunWeightGrad(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunForwardFp8(const GroupedGemmArgs&, void*, int, cudaStream_t);
+const char* GgRunWeightGradFp8(const GroupedGemmArgs&, void*, int, cudaStream_t);
 
 }  // namespace jax_ep

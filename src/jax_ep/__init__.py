@@ -13,7 +13,8 @@ from jax_ep.mesh import shard_map
 from jax_ep.ops.dispatch import combine, dispatch
 from jax_ep.ops.overlap import (PendingCombine, PendingDispatch, combine_done, combine_start,
                                 dispatch_done, dispatch_start, ordered_after)
-from jax_ep.ops.grouped_gemm import (dequantize_weights_fp8, grouped_matmul,
+from jax_ep.ops.grouped_gemm import (Fp8Weights, dequantize_weights_fp8, fp8_weights,
+                                     grouped_matmul,
                                      grouped_matmul_fp8, masked_grouped_matmul,
                                      masked_grouped_matmul_fp8, quantize_weights_fp8)
 from jax_ep.ops.engram import (engram_fetch, engram_fetch_start, engram_fetch_wait,
@@ -43,7 +44,7 @@ __all__ = [
     "Communicator", "DispatchHandle", "DispatchOutput", "EpRuntimeError", "Layout",
     "LowLatencyDispatchOutput", "LowLatencyHandle", "PendingCombine", "PendingDispatch",
     "PublishedTable", "build_info", "combine", "combine_done", "combine_start",
-    "cuda_available", "default_capacity", "dequantize", "dequantize_weights_fp8", "dispatch",
+    "Fp8Weights", "fp8_weights", "cuda_available", "default_capacity", "dequantize", "dequantize_weights_fp8", "dispatch",
     "dispatch_done", "dispatch_start",
     "engram_fetch", "engram_fetch_start", "engram_fetch_wait", "engram_publish",
     "get_buffer_size_hint", "get_dispatch_layout", "grouped_matmul", "grouped_matmul_fp8",

@@ -89,7 +89,7 @@ def probe_all_to_all_cuda(x: Array, *, comm_id: int) -> Array:
 
 
 # Must match GgKind in ffi/kernels/grouped_gemm.h.
-GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD, GG_FORWARD_FP8 = 0, 1, 2, 3
+GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD, GG_FORWARD_FP8, GG_WEIGHT_GRAD_FP8 = 0, 1, 2, 3, 4
 
 
 def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
@@ -114,22 +114,27 @@ def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
   return out
 
 
-def grouped_gemm_fp8_cuda(xq: Array, xs: Array, wq: Array, ws: Array, group_sizes: Array, *,
+def grouped_gemm_fp8_cuda(a: Array, a_scales: Array, b: Array, b_scales: Array,
+                          group_sizes: Array, *, kind: int = GG_FORWARD_FP8,
                           group_stride: int = 0, num_sms: int = 0) -> Array:
-  """FP8 grouped forward (ffi/kernels/grouped_gemm.h, kForwardFp8).
+  """One FP8 grouped product (ffi/kernels/grouped_gemm.h); bf16 out.
 
-  xq [M, H] (or [G, S, H]) e4m3; xs [M, H/128] (or [G, S, H/128]) f32, x's
-  per-(row, 128 channels) scales; wq [G, F, H] e4m3 (K-major); ws
-  [G, H/128, F/128] f32 block scales. Returns [M, F] (or [G, S, F]) bf16.
+  GG_FORWARD_FP8: a = xq [M, H] (or [G, S, H]) e4m3, a_scales [M, H/128]
+  (or [G, S, H/128]) f32, b = wq [G, F, H] e4m3 (K-major), b_scales
+  [G, H/128, F/128] -> [M, F] (or [G, S, F]).
+  GG_WEIGHT_GRAD_FP8: a = xT [H, P], a_scales [P/128, H], b = dyT [F, P],
+  b_scales [P/128, F], group_sizes padded to 128-token chunks -> [G, H, F].
   """
-  out_shape = (*xq.shape[:-1], wq.shape[1])
-  rows = int(np.prod(xq.shape[:-1]))
-  ws_bytes = _grouped_gemm_workspace_bytes(GG_FORWARD_FP8, False, group_sizes.shape[0],
-                                           rows, xq.shape[-1])
+  g = group_sizes.shape[0]
+  if kind == GG_WEIGHT_GRAD_FP8:
+    out_shape = (g, a.shape[0], b.shape[0])
+  else:
+    out_shape = (*a.shape[:-1], b.shape[1])
+  ws_bytes = _grouped_gemm_workspace_bytes(kind, False, g)
   out, _ = _call("jax_ep_grouped_gemm_fp8", (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
                                              jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8)))(
-      xq, xs, wq, ws, group_sizes, group_stride=np.int64(group_stride),
-      num_sms=np.int32(num_sms))
+      a, a_scales, b, b_scales, group_sizes, kind=np.int32(kind),
+      group_stride=np.int64(group_stride), num_sms=np.int32(num_sms))
   return out
 
 

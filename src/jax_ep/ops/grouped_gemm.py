@@ -15,12 +15,15 @@ dw[g] = x_g^T @ dy_g.
 `grouped_matmul_fp8` / `masked_grouped_matmul_fp8` take dispatch's FP8 rows
 (e4m3 + per-128-channel scales) and FP8 weights with 128 x 128 block scales
 (`quantize_weights_fp8`), scaling the f32 accumulators on the fly: nothing
-is dequantised in memory. Forward only. Design notes: docs/grouped_gemm.md.
+is dequantised in memory. Given bf16/f32 operands instead, it casts them
+itself and is differentiable, the backward on FP8 tensor cores too (dgrad
+against the weights' transposed blocks, wgrad with scales along the tokens).
+Design notes: docs/grouped_gemm.md.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -245,8 +248,30 @@ def _check_fp8(x, w, sizes, *, masked: bool, backend) -> None:
                      f"{list(sizes.shape)}")
 
 
-def _run_fp8(x, w, sizes, *, masked: bool, backend, num_sms):
-  (xq, xs), (wq, ws) = x, w
+def _use_fp8_kernel(backend) -> bool:
+  """The one backend choice of the FP8 products: the kernel on CUDA builds
+  (its GPU tests check it against the oracle), the reference elsewhere.
+  Returns False for the reference, True for the kernel; None means "the
+  kernel on CUDA, the reference on other platforms" (platform_dependent)."""
+  if backend == "reference" or (backend in (None, "auto") and not _native.cuda_built()):
+    return False
+  if backend == "cuda":
+    if not _native.cuda_built():
+      raise ValueError("backend='cuda': jax_ep was built without its CUDA kernels")
+    return True
+  return None
+
+
+def _pick(kernel, ref, backend, *args):
+  use = _use_fp8_kernel(backend)
+  if use is None:
+    return lax.platform_dependent(*args, default=ref, cuda=kernel)
+  return kernel(*args) if use else ref(*args)
+
+
+def _fp8_product(xq, xs, wq, ws, sizes, *, masked: bool, backend, num_sms):
+  """(xq * xs) @ (wq * ws)^T per group, bf16 out: the forward product, and
+  with (dy, the weights as stored) the data gradient."""
   sizes = sizes.astype(jnp.int32)
 
   def ref(xq, xs, wq, ws, sizes):
@@ -262,36 +287,180 @@ def _run_fp8(x, w, sizes, *, masked: bool, backend, num_sms):
                                      num_sms=num_sms or 0)
     return _match_vma(out, xq, wq, sizes)
 
-  args = (xq, xs, wq, ws, sizes)
-  # The kernel is the default on CUDA: its GPU tests (the oracle over the
-  # group patterns, contiguous and masked) passed in device run 1 of
-  # session 6 (benchmarks/RESULTS.md).
-  if backend == "reference" or (backend in (None, "auto") and not _native.cuda_built()):
-    return ref(*args)
-  if backend == "cuda":
-    if not _native.cuda_built():
-      raise ValueError("backend='cuda': jax_ep was built without its CUDA kernels")
-    return kernel(*args)
-  return lax.platform_dependent(*args, default=ref, cuda=kernel)
+  return _pick(kernel, ref, backend, xq, xs, wq, ws, sizes)
 
 
-def grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], group_sizes: Array, *,
+def _run_fp8(x, w, sizes, *, masked: bool, backend, num_sms):
+  (xq, xs), (wq, ws) = x, w
+  return _fp8_product(xq, xs, wq, ws, sizes, masked=masked, backend=backend, num_sms=num_sms)
+
+
+# --- FP8 training: both weight orientations, token-major operands ----------
+
+
+class Fp8Weights(NamedTuple):
+  """Weights [G, H, F] quantised once per 128 x 128 block, in the two
+  orientations FP8 tensor cores read (both K-major): `q`/`s` for the forward
+  product (K = H), `q_t`/`s_t` for the data gradient (K = F). The blocks are
+  the same, so the gradient uses exactly the transpose of the forward's
+  weights."""
+  q: Array    # [G, F, H] e4m3
+  s: Array    # [G, H/128, F/128] f32
+  q_t: Array  # [G, H, F] e4m3
+  s_t: Array  # [G, F/128, H/128] f32
+
+
+def fp8_weights(w: Array) -> Fp8Weights:
+  """Quantise master weights w [G, H, F] (f32 or bf16) for FP8 training:
+  one read of w, both orientations written. Make it inside the step, or
+  once per optimizer update and pass it to grouped_matmul_fp8(w_fp8=...)."""
+  q, s = quantize_weights_fp8(w)
+  return Fp8Weights(q=q, s=s, q_t=jnp.transpose(q, (0, 2, 1)), s_t=jnp.transpose(s, (0, 2, 1)))
+
+
+def _effective_groups(sizes: Array, rows: int) -> tuple[Array, Array]:
+  """(starts, sizes) as the kernels see them: negative sizes count as 0 and
+  no group reaches past `rows`."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(sizes, 0)), rows)
+  starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+  return starts, ends - starts
+
+
+def padded_token_count(rows: int, groups: int) -> int:
+  """Length of the token axis once every group starts on a 128-token chunk:
+  enough for any sizes summing to at most `rows`."""
+  return fp8.BLOCK * (-(-rows // fp8.BLOCK) + groups)
+
+
+def quantize_token_major(x: Array, sizes: Array) -> tuple[Array, Array, Array]:
+  """x [M, C] -> (qT [C, P] e4m3, s [P/128, C] f32, padded_sizes [G] i32).
+
+  The weight gradient's operand layout: the token axis moved last (K-major
+  for wgrad), each group padded to whole 128-token chunks with zeros and
+  scaled per (channel, chunk of its own tokens): no scale block spans two
+  groups. P = padded_token_count(M, G)."""
+  m, c = x.shape
+  g = sizes.shape[0]
+  p = padded_token_count(m, g)
+  starts, eff = _effective_groups(sizes.astype(jnp.int32), m)
+  chunks = (eff + fp8.BLOCK - 1) // fp8.BLOCK
+  pstart = fp8.BLOCK * (jnp.cumsum(chunks) - chunks)
+  pos = jnp.arange(p, dtype=jnp.int32)
+  grp = jnp.clip(jnp.searchsorted(pstart, pos, side="right") - 1, 0, g - 1)
+  t = pos - pstart[grp]
+  valid = (t >= 0) & (t < eff[grp])
+  src = jnp.where(valid, starts[grp] + t, 0)
+  xp = jnp.where(valid[:, None], x[src].astype(jnp.float32), 0.0)
+  xb = xp.reshape(p // fp8.BLOCK, fp8.BLOCK, c)
+  amax = jnp.max(jnp.abs(xb), axis=1)
+  s = jnp.maximum(amax, jnp.float32(fp8.AMAX_FLOOR)) * fp8.INV_E4M3_MAX
+  q = fp8.to_e4m3(jnp.clip(xb * fp8.reciprocal_rn(s)[:, None, :], -fp8.E4M3_MAX, fp8.E4M3_MAX))
+  return jnp.transpose(q.reshape(p, c)), s, (chunks * fp8.BLOCK).astype(jnp.int32)
+
+
+def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
+  """dw[g] = x_g^T dy_g with both operands FP8 along the tokens, bf16 out."""
+  xq, xs, psizes = quantize_token_major(x, sizes)
+  dq, ds, _ = quantize_token_major(dy, sizes)
+
+  def ref(xq, xs, dq, ds, psizes):
+    def deq(q, s):  # [C, P], [P/128, C] -> [P, C] f32
+      c, p = q.shape
+      v = jnp.transpose(q.astype(jnp.float32)).reshape(p // fp8.BLOCK, fp8.BLOCK, c)
+      return (v * s[:, None, :]).reshape(p, c)
+    xd, dd = deq(xq, xs), deq(dq, ds)
+    g = psizes.shape[0]
+    zero = jnp.zeros((g, xd.shape[1], dd.shape[1]), jnp.float32)
+    _, pull = jax.vjp(lambda w: lax.ragged_dot(xd, w, psizes, preferred_element_type=jnp.float32),
+                      zero)
+    return pull(dd)[0].astype(jnp.bfloat16)
+
+  def kernel(xq, xs, dq, ds, psizes):
+    out = _ffi.grouped_gemm_fp8_cuda(xq, xs, dq, ds, psizes, kind=_ffi.GG_WEIGHT_GRAD_FP8,
+                                     num_sms=num_sms or 0)
+    return _match_vma(out, xq, dq, psizes)
+
+  return _pick(kernel, ref, backend, xq, xs, dq, ds, psizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_train(x, w, sizes, wf, backend, num_sms):
+  xq, xs = fp8.quantize(x)
+  return _fp8_product(xq, xs, wf.q, wf.s, sizes, masked=False, backend=backend, num_sms=num_sms)
+
+
+def _fp8_train_fwd(x, w, sizes, wf, backend, num_sms):
+  return _fp8_train(x, w, sizes, wf, backend, num_sms), (x, w, sizes, wf.q_t, wf.s_t)
+
+
+def _fp8_train_bwd(backend, num_sms, res, dy):
+  x, w, sizes, q_t, s_t = res
+  dy = dy.astype(jnp.bfloat16)
+  dq, ds = fp8.quantize(dy)
+  dx = _fp8_product(dq, ds, q_t, s_t, sizes, masked=False, backend=backend, num_sms=num_sms)
+  dw = _fp8_wgrad(x, dy, sizes, backend=backend, num_sms=num_sms)
+  zeros_wf = None
+  return (_match_vma(dx.astype(x.dtype), x), _match_vma(dw.astype(w.dtype), w), None, zeros_wf)
+
+
+_fp8_train.defvjp(_fp8_train_fwd, _fp8_train_bwd)
+
+
+def _check_fp8_train(x, w, sizes, w_fp8, backend) -> None:
+  check_backend(backend)
+  if x.ndim != 2 or w.ndim != 3:
+    raise ValueError(f"x must be [M, H] and w [G, H, F]; got {list(x.shape)} and {list(w.shape)}")
+  g, h, f = w.shape
+  if x.shape[1] != h:
+    raise ValueError(f"x's last dim {x.shape[1]} must equal w's H = {h}")
+  if h % fp8.BLOCK or f % fp8.BLOCK:
+    raise ValueError(f"w: H={h} and F={f} must be multiples of {fp8.BLOCK} for FP8")
+  for name, a in (("x", x), ("w", w)):
+    if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+      raise ValueError(f"{name} must be bf16 or f32 for the FP8 training path, got {a.dtype}")
+  if sizes.shape != (g,) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+    raise ValueError(f"group sizes must be [G] = [{g}] integers, got {sizes.dtype} "
+                     f"{list(sizes.shape)}")
+  if w_fp8 is not None:
+    if not isinstance(w_fp8, Fp8Weights):
+      raise ValueError("w_fp8 must be the Fp8Weights that fp8_weights(w) returns")
+    if w_fp8.q.shape != (g, f, h) or w_fp8.q_t.shape != (g, h, f):
+      raise ValueError(f"w_fp8 holds weights of shape {list(w_fp8.q_t.shape)}, w is "
+                       f"{list(w.shape)}")
+
+
+def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] = None,
                        backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
-  """grouped_matmul on FP8 operands with fine-grained scales; bf16 out.
+  """grouped_matmul on FP8 tensor cores with fine-grained scales; bf16 out.
 
-  Args:
-    x: (xq [M, H] e4m3, xs [M, H/128] f32), as dispatch(fp8=True) returns them
-      (x ≈ xq * xs per 128 channels).
-    w: (wq [G, F, H] e4m3, ws [G, H/128, F/128] f32) from quantize_weights_fp8.
-    group_sizes: [G] integers on the device; rows past the groups give zeros.
-  Returns:
-    [M, F] bf16: f32 accumulation, each 128-wide K slice scaled by its two
-    scales before it is added. Not differentiable (forward/inference only).
-    backend None runs the kernel on CUDA and the reference (dequantise +
-    ragged_dot) elsewhere; "reference" / "cuda" force one.
+  Two forms:
+  - inference, FP8 operands as they arrive: x = (xq [M, H] e4m3, xs
+    [M, H/128] f32) as dispatch(fp8=True) returns them, w = (wq [G, F, H],
+    ws [G, H/128, F/128]) from quantize_weights_fp8. Not differentiable.
+  - training, high-precision operands: x [M, H] and master weights w
+    [G, H, F] (bf16 or f32). x is cast per (row, 128 channels), w per
+    128 x 128 block (or `w_fp8`, a cached fp8_weights(w) from the last
+    optimizer update, is used as it is). Differentiable: the data gradient
+    casts dy per (row, 128 of F) against the weights' transposed blocks; the
+    weight gradient casts x and dy per (channel, 128 tokens of a group);
+    both products run on FP8 tensor cores with f32 accumulation. The
+    gradients come back in x's and w's dtypes.
+
+  group_sizes: [G] integers on the device; rows past the groups give zeros.
+  Each 128-wide K slice of the product is scaled by its two scales as it is
+  added into the f32 accumulator: nothing is dequantised in memory.
+  backend None runs the kernels on CUDA and the reference (dequantise +
+  ragged_dot, in the same custom_vjp) elsewhere; "reference" / "cuda" force
+  one.
   """
-  _check_fp8(x, w, group_sizes, masked=False, backend=backend)
-  return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
+  if isinstance(x, tuple) or isinstance(w, tuple):
+    if w_fp8 is not None:
+      raise ValueError("w_fp8 goes with master weights w [G, H, F], not with an FP8 (wq, ws) pair")
+    _check_fp8(x, w, group_sizes, masked=False, backend=backend)
+    return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
+  _check_fp8_train(x, w, group_sizes, w_fp8, backend)
+  wf = fp8_weights(w) if w_fp8 is None else jax.tree.map(lax.stop_gradient, w_fp8)
+  return _fp8_train(x, w, group_sizes.astype(jnp.int32), wf, backend, num_sms)
 
 
 def masked_grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], counts: Array, *,

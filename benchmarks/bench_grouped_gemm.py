@@ -13,7 +13,8 @@ device. In one run, every implementation warmed up before it is timed:
                      rate the hardware gives this data movement
   jax_ragged_dot     lax.ragged_dot (XLA's own)
   jax_ep_masked      masked_grouped_matmul at the low-latency decode grid
-  jax_ep_fp8         grouped_matmul_fp8 (up projection), beside the bf16 kernel
+  jax_ep_fp8*        the FP8 products (forward, dgrad, wgrad, masked, casts and
+                     the whole vjp), beside the bf16 kernels (_fp8_records)
 
 and each kernel alone (kernel_fwd / kernel_dx / kernel_dw) on the routed
 sizes and on uniform 256-row groups, where the 128-row tiles waste nothing.
@@ -90,8 +91,7 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
 
 
 GEMM_FAMILIES = (("GemmUniversal", "GemmUniversal"), ("PrepGroups", "PrepGroups"),
-                 ("ZeroTailRows", "ZeroTailRows"), ("ZeroEmptyGroups", "ZeroEmptyGroups"),
-                 ("RegroupScales", "RegroupScales"))
+                 ("ZeroTailRows", "ZeroTailRows"), ("ZeroEmptyGroups", "ZeroEmptyGroups"))
 
 
 def kernel_summary(events: list[dict], calls: int, families=GEMM_FAMILIES) -> dict:
@@ -137,44 +137,137 @@ def _profile_records(rec, calls_of: dict, quick: bool) -> None:
         kernels_us=summ)
 
 
-def _fp8_records(quick, rec, sizes_np, key, dense_fwd_t) -> None:
-  """grouped_matmul_fp8 (e4m3 rows with per-128 scales x e4m3 weights with
-  128 x 128 block scales), up projection, routed and uniform groups, next to
-  the bf16 kernel on the same groups; ratio_to_bf16 = bf16 time / fp8 time."""
+def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
+  """The FP8 products beside their bf16 kernels on the same groups, both
+  projections, routed and uniform groups; ratio_to_bf16 = bf16 time / fp8
+  time, ratio_to_dense against the dense bf16 matmul of the direction.
+
+    jax_ep_fp8        forward on FP8 operands as dispatch and fp8_weights
+                      give them (inference / prefill)
+    jax_ep_fp8_dgrad  dx = dy @ w^T: dy cast 1 x 128 (its cast timed apart,
+                      jax_ep_fp8_cast_rows), the weights' transposed blocks
+    jax_ep_fp8_wgrad  dw = x^T dy on the token-major FP8 operands (their
+                      casts timed apart, jax_ep_fp8_cast_tokens)
+    jax_ep_wgrad      the bf16 weight-gradient kernel, for comparison
+    jax_ep_fp8 fwd_bwd / jax_ep fwd_bwd: jax.vjp through the whole op from
+                      bf16 x and master weights (all casts included)
+  """
   import jax
   import jax.numpy as jnp
   import jax_ep
-  k, n = _products("up")
-  k1, k2 = jax.random.split(key)
-  w = jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)
-  wq, ws = jax.jit(jax_ep.quantize_weights_fp8)(w)
-  wb = w.astype(jnp.bfloat16)
-  del w
-  flops = 2.0 * ROWS * k * n
-  for routing, sz in (("random", sizes_np), ("uniform", np.full(EXPERTS, ROWS // EXPERTS,
-                                                                 np.int32))):
-    m = int(sz.sum())
-    sizes = jnp.asarray(sz)
-    x = jax.random.normal(k1, (m, k), jnp.float32)
-    xq, xs = jax.jit(jax_ep.quantize)(x)
-    xb = x.astype(jnp.bfloat16)
-    del x
-    f8 = lambda a, b, c, d: jax_ep.grouped_matmul_fp8((a, b), (c, d), sizes, backend="cuda")
-    bf = lambda a, b: jax_ep.grouped_matmul(a, b, sizes, backend="cuda")
-    try:
-      jax.block_until_ready(jax.jit(f8)(xq, xs, wq, ws))
-      jax.block_until_ready(jax.jit(bf)(xb, wb))
-    except Exception as e:  # noqa: BLE001
-      print(f"  fp8 {routing}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
-    t8 = bn.time_or_none(f"fp8 {routing}", f8, (xq, xs, wq, ws), quick, max_iters=10)
-    tb = bn.time_or_none(f"bf16 {routing}", bf, (xb, wb), quick, max_iters=10)
-    rec("up", "fwd", "jax_ep", tb, flops, dense_fwd_t, routing=routing, padded_rows=m)
-    rec("up", "fwd", "jax_ep_fp8", t8, flops, dense_fwd_t, routing=routing, padded_rows=m,
-        dtype="fp8", ratio_to_bf16=None if (t8 is None or tb is None) else tb / t8)
+  from jax_ep import _ffi, fp8
+  from jax_ep.ops import grouped_gemm as gg
+  uniform = np.full(EXPERTS, ROWS // EXPERTS, np.int32)
+  for direction in ("up", "down"):
+    k, n = _products(direction)
+    k1, k2, k3, key = jax.random.split(key, 4)
+    w = jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)
+    wf = jax.jit(jax_ep.fp8_weights)(w)
+    wb = w.astype(jnp.bfloat16)
+    del w
+    flops = 2.0 * ROWS * k * n
+    t_cast_w = bn.time_or_none(f"{direction} fp8_weights", jax_ep.fp8_weights, (wb,), quick,
+                               max_iters=10)
+    rec(direction, "cast", "jax_ep_fp8_cast_weights", t_cast_w, 0.0, None, dtype="fp8",
+        hbm_gbps=None if t_cast_w is None else EXPERTS * k * n * (2 + 2) / t_cast_w / 1e9)
+    for routing, sz in (("random", sizes_np), ("uniform", uniform)):
+      m = int(sz.sum())
+      sizes = jnp.asarray(sz)
+      xb = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+      dyb = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
+      xq, xs = jax.jit(fp8.quantize)(xb)
+      dq, ds = jax.jit(fp8.quantize)(dyb)
+      tok = jax.jit(gg.quantize_token_major)
+      xt, xts, psz = tok(xb, sizes)
+      dt, dts, _ = tok(dyb, sizes)
+      calls = {
+          ("fwd", "jax_ep_fp8"): (lambda a, b, c, d, s=sizes: jax_ep.grouped_matmul_fp8(
+              (a, b), (c, d), s, backend="cuda"), (xq, xs, wf.q, wf.s)),
+          ("fwd", "jax_ep"): (lambda a, b, s=sizes: jax_ep.grouped_matmul(
+              a, b, s, backend="cuda"), (xb, wb)),
+          ("dgrad", "jax_ep_fp8_dgrad"): (lambda a, b, c, d, s=sizes: _ffi.grouped_gemm_fp8_cuda(
+              a, b, c, d, s), (dq, ds, wf.q_t, wf.s_t)),
+          ("dgrad", "jax_ep_dgrad"): (lambda d, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
+              d, b, s, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16),
+              (dyb, wb)),
+          ("wgrad", "jax_ep_fp8_wgrad"): (lambda a, b, c, d, s=psz: _ffi.grouped_gemm_fp8_cuda(
+              a, b, c, d, s, kind=_ffi.GG_WEIGHT_GRAD_FP8), (xt, xts, dt, dts)),
+          ("wgrad", "jax_ep_wgrad"): (lambda a, d, s=sizes: _ffi.grouped_gemm_cuda(
+              a, d, s, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
+              out_dtype=jnp.bfloat16), (xb, dyb)),
+          ("cast", "jax_ep_fp8_cast_rows"): (fp8.quantize, (dyb,)),
+          ("cast", "jax_ep_fp8_cast_tokens"): (lambda a, s=sizes: tok(a, s), (xb,)),
+      }
+
+      def vjp_of(f):
+        def g(a, b, d):
+          out, back = jax.vjp(f, a, b)
+          return (out, *back(d))
+        return g
+      calls[("fwd_bwd", "jax_ep_fp8")] = (vjp_of(
+          lambda a, b, s=sizes: jax_ep.grouped_matmul_fp8(a, b, s, backend="cuda")), (xb, wb, dyb))
+      calls[("fwd_bwd", "jax_ep")] = (vjp_of(
+          lambda a, b, s=sizes: jax_ep.grouped_matmul(a, b, s, backend="cuda")), (xb, wb, dyb))
+      # Correctness at this shape before timing: each FP8 product against
+      # its bf16 kernel (e4m3 operands: a few percent).
+      pairs = (("jax_ep_fp8", "jax_ep"), ("jax_ep_fp8_dgrad", "jax_ep_dgrad"),
+               ("jax_ep_fp8_wgrad", "jax_ep_wgrad"))
+      outs = {}
+      for key_, (f, a) in list(calls.items()):
+        try:
+          outs[key_[1]] = jax.block_until_ready(jax.jit(f)(*a))
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the others
+          print(f"  fp8 {direction} {routing} {key_}: FAILED: {type(e).__name__}: "
+                f"{str(e)[:300]}", flush=True)
+          calls.pop(key_)
+      for f8, bf in pairs:
+        if f8 in outs and bf in outs:
+          a8 = jnp.asarray(outs[f8], jnp.float32)
+          ab = jnp.asarray(outs[bf], jnp.float32)
+          err = float(jnp.linalg.norm(a8 - ab) / jnp.linalg.norm(ab))
+          print(f"  fp8 {direction} {routing} {f8}: relative difference to bf16 {err:.3e}",
+                flush=True)
+          assert err < 0.08, f"{f8} {direction} {routing}: {err:.3e} from the bf16 kernel"
+      outs.clear()
+      times = {}
+      for (mode, impl), (f, a) in calls.items():
+        times[(mode, impl)] = bn.time_or_none(f"fp8 {direction} {routing} {impl}", f, a, quick,
+                                              max_iters=10)
+      base = {"fwd": "jax_ep", "dgrad": "jax_ep_dgrad", "wgrad": "jax_ep_wgrad"}
+      for (mode, impl), t in times.items():
+        bf = times.get((mode, "jax_ep" if mode == "fwd_bwd" else base.get(mode, "")))
+        mult = 3 if mode == "fwd_bwd" else (0 if mode == "cast" else 1)
+        dense = dense_t.get((direction, "fwd_bwd" if mode == "fwd_bwd" else "fwd"))
+        extra = {}
+        if mode == "cast" and t is not None:
+          rows_bytes = m * (k if impl.endswith("tokens") else n)
+          extra["hbm_gbps"] = rows_bytes * (2 + 1) / t / 1e9
+        rec(direction, mode, impl, t, mult * flops, dense if mult else None,
+            dtype="fp8" if "fp8" in impl else "bf16", routing=routing, padded_rows=m,
+            ratio_to_bf16=None if (t is None or bf is None or "fp8" not in impl or mult == 0)
+            else bf / t, **extra)
+
+    # Decode: the masked FP8 form over the low-latency grid (8 rows per
+    # expert on average), weight bytes per second as the figure.
+    if direction == "up":
+      S = 2 * 128
+      rng = np.random.default_rng(7)
+      counts = jnp.asarray(rng.multinomial(S * 8 // 2, np.full(EXPERTS, 1.0 / EXPERTS)),
+                           jnp.int32)
+      xg = jax.random.normal(k1, (EXPERTS, S, k), jnp.float32)
+      gq, gs = jax.jit(fp8.quantize)(xg)
+      del xg
+      f = lambda a, b, c, d: jax_ep.masked_grouped_matmul_fp8((a, b), (c, d), counts,
+                                                              backend="cuda")
+      jax.block_until_ready(jax.jit(f)(gq, gs, wf.q, wf.s))
+      t = bn.time_or_none("decode jax_ep_fp8_masked", f, (gq, gs, wf.q, wf.s), quick, max_iters=20)
+      valid = float(counts.sum())
+      rec("up", "decode", "jax_ep_fp8_masked", t, 2.0 * valid * k * n, None, dtype="fp8",
+          valid_rows=valid, weight_read_gbps=None if t is None else EXPERTS * k * n / t / 1e9)
+    del wf, wb
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, fp8_only: bool = False) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import jax_ep
@@ -203,6 +296,28 @@ def run(quick: bool) -> list[dict]:
 
   dense_up_fwd = None
   dense_call = batched_call = None
+  dense_by = {}
+  if fp8_only:
+    # The dense bf16 matmul of each direction (forward, and forward +
+    # backward) is the one baseline the FP8 records need.
+    for direction in ("up", "down"):
+      k, n = _products(direction)
+      k1, k2, k3, key = jax.random.split(key, 4)
+      xd = jax.random.normal(k1, (ROWS, k), jnp.float32).astype(jnp.bfloat16)
+      wd = (jax.random.normal(k2, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+      dyd = jax.random.normal(k3, (ROWS, n), jnp.float32).astype(jnp.bfloat16)
+      def dense_bwd(a, b, d):
+        out, back = jax.vjp(lambda a, b: a @ b, a, b)
+        return (out, *back(d))
+      for mode, f, a, mult in (("fwd", lambda a, b: a @ b, (xd, wd), 1),
+                               ("fwd_bwd", dense_bwd, (xd, wd, dyd), 3)):
+        jax.block_until_ready(jax.jit(f)(*a))
+        t = bn.time_or_none(f"{direction} {mode} dense", f, a, quick, max_iters=10)
+        dense_by[(direction, mode)] = t
+        rec(direction, mode, "jax_dense_matmul", t, mult * 2.0 * ROWS * k * n, t,
+            padded_rows=ROWS)
+    _fp8_records(quick, rec, sizes_np, key, dense_by)
+    return records
   for direction in ("up", "down"):
     k, n = _products(direction)
     k1, k2, k3, key = jax.random.split(key, 4)
@@ -276,6 +391,7 @@ def run(quick: bool) -> list[dict]:
           batched_call = (f, a, flops, t)
         if impl == "jax_dense_matmul":
           dense_t[mode] = t
+          dense_by[(direction, mode)] = t
           if direction == "up" and mode == "fwd":
             dense_up_fwd = t
             dense_call = (f, a, flops, t)
@@ -285,7 +401,7 @@ def run(quick: bool) -> list[dict]:
 
   profile = {}
   _product_records(quick, rec, sizes_np, key, dense_up_fwd, profile)
-  _fp8_records(quick, rec, sizes_np, key, dense_up_fwd)
+  _fp8_records(quick, rec, sizes_np, key, dense_by)
   if dense_call is not None:
     profile["jax_dense_matmul"] = dense_call
   if batched_call is not None:
@@ -316,7 +432,10 @@ def run(quick: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  args = bn.simple_args(__doc__, argv)
+  fp8_only = "--fp8-only" in (argv if argv is not None else sys.argv[1:])
+  if fp8_only:
+    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--fp8-only"]
+  args = bn.simple_args(__doc__ + "\n  --fp8-only  the dense baselines and the FP8 records only", argv)
   try:
     import jax
     gpus = jax.devices("gpu")
@@ -327,7 +446,7 @@ def main(argv=None) -> int:
     print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
           file=sys.stderr)
     return 2
-  records = run(args.quick)
+  records = run(args.quick, fp8_only)
   stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
                commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   for r in records:

@@ -270,3 +270,37 @@ def test_fp8_training_kernels_match_the_reference_and_the_oracle(pattern):
   for g, c in enumerate(sizes):
     if c == 0:
       assert np.all(got[2][g] == 0), g
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_weight_cast_kernel_is_bitwise_the_reference(dtype):
+  """Both orientations and the block scales, a zero block, a NaN block."""
+  rng = np.random.default_rng(stable_seed("cast_w", str(dtype)))
+  w = rng.standard_normal((3, 384, 256)).astype(np.float32) * 0.05
+  w[1, :128, 128:] = 0.0
+  w[2, 200, 7] = np.nan
+  w = jnp.asarray(w, dtype)
+  got = jax.jit(lambda a: jax_ep.fp8_weights(a, backend="cuda"))(w)
+  want = jax.jit(lambda a: jax_ep.fp8_weights(a, backend="reference"))(w)
+  for name, a, b in zip(got._fields, got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype != jnp.float32
+                                  else np.asarray(a), np.asarray(b).view(np.uint8)
+                                  if b.dtype != jnp.float32 else np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "empty_groups", "all_in_one", "odd"])
+def test_fp8_token_cast_kernel_is_bitwise_the_reference(pattern):
+  from jax_ep.ops.grouped_gemm import quantize_token_major
+  rng = np.random.default_rng(stable_seed("cast_t", pattern))
+  G = 8
+  sizes = _sizes(pattern, G, rng)
+  M = sum(sizes) + 50
+  x = jnp.asarray(rng.standard_normal((M, 256)).astype(np.float32) * 3, jnp.bfloat16)
+  s = jnp.asarray(sizes, jnp.int32)
+  got = jax.jit(lambda a, b: quantize_token_major(a, b, backend="cuda"))(x, s)
+  want = jax.jit(lambda a, b: quantize_token_major(a, b, backend="reference"))(x, s)
+  np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8),
+                                np.asarray(want[0]).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))

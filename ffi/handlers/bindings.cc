@@ -34,6 +34,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramGradExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpFp8CastWeightsExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpFp8CastTokensExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchSendExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLlDispatchRecvExecute);
@@ -365,6 +367,12 @@ void RegisterCudaBindings(nb::module_& m) {
     nb::dict stateless_fp8;
     stateless_fp8["execute"] = HandlerCapsule(JaxEpGroupedGemmFp8Execute);
     d["jax_ep_grouped_gemm_fp8"] = stateless_fp8;
+    nb::dict cast_weights;
+    cast_weights["execute"] = HandlerCapsule(JaxEpFp8CastWeightsExecute);
+    d["jax_ep_fp8_cast_weights"] = cast_weights;
+    nb::dict cast_tokens;
+    cast_tokens["execute"] = HandlerCapsule(JaxEpFp8CastTokensExecute);
+    d["jax_ep_fp8_cast_tokens"] = cast_tokens;
     nb::dict stateless_grad;
     stateless_grad["execute"] = HandlerCapsule(JaxEpEngramGradExecute);
     d["jax_ep_engram_grad"] = stateless_grad;
@@ -415,20 +423,18 @@ void RegisterCudaBindings(nb::module_& m) {
 
   m.def(
       "grouped_gemm_workspace_bytes",
-      [](int kind, bool out_f32, int num_groups, int sms, int64_t rows, int64_t hidden) {
+      [](int kind, bool out_f32, int num_groups, int sms, int schedule) {
         jax_ep::GroupedGemmArgs g;
         g.kind = static_cast<jax_ep::GgKind>(kind);
         g.out_dtype = out_f32 ? jax_ep::GgOut::kF32 : jax_ep::GgOut::kBF16;
         g.num_groups = num_groups;
-        g.rows = rows;
-        g.h = hidden;
+        g.schedule = schedule;
         return jax_ep::GroupedGemmScratchBytes(g, sms);
       },
       nb::arg("kind"), nb::arg("out_f32"), nb::arg("num_groups"), nb::arg("sms"),
-      nb::arg("rows") = 0, nb::arg("hidden") = 0,
+      nb::arg("schedule") = 0,
       "Workspace bytes of one grouped GEMM call on up to `sms` SMs (per-group "
-      "arrays + CUTLASS's workspace; for FP8 also x's regrouped scales, which "
-      "need rows and hidden).");
+      "arrays + CUTLASS's workspace).");
 
   m.attr("lsa_barrier_count") = jax_ep::kLsaBarrierCount;
   m.attr("gin_built") = static_cast<bool>(JAX_EP_HAVE_GIN);

@@ -171,7 +171,8 @@ ffi::Error SetWeightGradFp8(GroupedGemmArgs& g, ffi::AnyBuffer a, ffi::Buffer<ff
 }
 
 ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal, int32_t kind,
-                                 int64_t group_stride, int32_t num_sms, ffi::AnyBuffer a,
+                                 int32_t schedule, int64_t group_stride, int32_t num_sms,
+                                 ffi::AnyBuffer a,
                                  ffi::Buffer<ffi::F32> a_scales, ffi::AnyBuffer b,
                                  ffi::Buffer<ffi::F32> b_scales,
                                  ffi::Buffer<ffi::S32> group_sizes,
@@ -182,6 +183,8 @@ ffi::Error GroupedGemmFp8Execute(cudaStream_t stream, int32_t device_ordinal, in
   }
   if (out->element_type() != ffi::DataType::BF16) return Invalid("FP8 output must be bf16");
   GroupedGemmArgs g;
+  if (schedule != 0 && schedule != 1) return Invalid("unknown FP8 schedule");
+  g.schedule = schedule;
   g.num_groups = static_cast<int>(group_sizes.element_count());
   const int64_t out_elems = static_cast<int64_t>(out->element_count());
   ffi::Error err = ffi::Error::Success();
@@ -232,6 +235,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmFp8Execute, jax_ep::GroupedGemmFp8
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("schedule")
                                   .Attr<int64_t>("group_stride")
                                   .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()

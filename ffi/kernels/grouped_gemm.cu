@@ -9,7 +9,8 @@ size_t GroupedGemmScratchBytes(const GroupedGemmArgs& args, int sms) {
     case GgKind::kForward: return GgScratchForward(args, sms);
     case GgKind::kTransW: return GgScratchTransW(args, sms);
     case GgKind::kWeightGrad: return GgScratchWeightGrad(args, sms);
-    case GgKind::kForwardFp8: return GgScratchForwardFp8(args, sms);
+    case GgKind::kForwardFp8:
+      return args.schedule ? GgScratchForwardFp8Pingpong(args, sms) : GgScratchForwardFp8(args, sms);
     case GgKind::kWeightGradFp8: return GgScratchWeightGradFp8(args, sms);
   }
   return 0;
@@ -21,7 +22,9 @@ const char* LaunchGroupedGemm(const GroupedGemmArgs& args, void* scratch, int sm
     case GgKind::kForward: return GgRunForward(args, scratch, sms, stream);
     case GgKind::kTransW: return GgRunTransW(args, scratch, sms, stream);
     case GgKind::kWeightGrad: return GgRunWeightGrad(args, scratch, sms, stream);
-    case GgKind::kForwardFp8: return GgRunForwardFp8(args, scratch, sms, stream);
+    case GgKind::kForwardFp8:
+      return args.schedule ? GgRunForwardFp8Pingpong(args, scratch, sms, stream)
+                           : GgRunForwardFp8(args, scratch, sms, stream);
     case GgKind::kWeightGradFp8: return GgRunWeightGradFp8(args, scratch, sms, stream);
   }
   return "unknown grouped GEMM kind";

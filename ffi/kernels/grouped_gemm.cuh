@@ -96,9 +96,19 @@ struct Fp8Scales {
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 };
 
-template <class ElementD>
+// Pingpong: each consumer warpgroup its own 64-row tile, one's epilogue and
+// scale promotion overlapping the other's tensor-core work; half the rows
+// of a cooperative tile, so half the padding waste on ragged groups.
+struct Fp8PingpongSchedule {
+  using Tile = cute::Shape<cute::_64, cute::_128, cute::_128>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class ElementD, class Sched = Fp8Schedule>
 struct Fp8Config
-    : GemmOf<Fp8Schedule, cutlass::float_e4m3_t,
+    : GemmOf<Sched, cutlass::float_e4m3_t,
              cute::tuple<cutlass::layout::RowMajor*, Fp8Scales::LayoutSFA*>,
              cute::tuple<cutlass::layout::ColumnMajor*, Fp8Scales::LayoutSFB*>, ElementD,
              cutlass::layout::RowMajor> {

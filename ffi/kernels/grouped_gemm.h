@@ -64,6 +64,8 @@ struct GroupedGemmArgs {
   //      min(sizes[g], group_stride)) of a (and of out for row outputs).
   int64_t group_stride = 0;
   int num_sms = 0;  // 0: all of the device's
+  // kForwardFp8: 0 cooperative 128-row tiles, 1 pingpong 64-row tiles.
+  int schedule = 0;
 };
 
 // Bytes of device scratch one call needs: the per-group arrays plus
@@ -85,11 +87,13 @@ size_t GgScratchForward(const GroupedGemmArgs&, int sms);
 size_t GgScratchTransW(const GroupedGemmArgs&, int sms);
 size_t GgScratchWeightGrad(const GroupedGemmArgs&, int sms);
 size_t GgScratchForwardFp8(const GroupedGemmArgs&, int sms);
+size_t GgScratchForwardFp8Pingpong(const GroupedGemmArgs&, int sms);
 size_t GgScratchWeightGradFp8(const GroupedGemmArgs&, int sms);
 const char* GgRunForward(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunTransW(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunWeightGrad(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunForwardFp8(const GroupedGemmArgs&, void*, int, cudaStream_t);
+const char* GgRunForwardFp8Pingpong(const GroupedGemmArgs&, void*, int, cudaStream_t);
 const char* GgRunWeightGradFp8(const GroupedGemmArgs&, void*, int, cudaStream_t);
 
 }  // namespace jax_ep

@@ -116,7 +116,7 @@ def grouped_gemm_cuda(a: Array, b: Array, group_sizes: Array, *, kind: int,
 
 def grouped_gemm_fp8_cuda(a: Array, a_scales: Array, b: Array, b_scales: Array,
                           group_sizes: Array, *, kind: int = GG_FORWARD_FP8,
-                          group_stride: int = 0, num_sms: int = 0) -> Array:
+                          group_stride: int = 0, num_sms: int = 0, schedule: int = 0) -> Array:
   """One FP8 grouped product (ffi/kernels/grouped_gemm.h); bf16 out.
 
   GG_FORWARD_FP8: a = xq [M, H] (or [G, S, H]) e4m3, a_scales [M, H/128]
@@ -130,12 +130,32 @@ def grouped_gemm_fp8_cuda(a: Array, a_scales: Array, b: Array, b_scales: Array,
     out_shape = (g, a.shape[0], b.shape[0])
   else:
     out_shape = (*a.shape[:-1], b.shape[1])
-  ws_bytes = _grouped_gemm_workspace_bytes(kind, False, g)
+  ws_bytes = _grouped_gemm_workspace_bytes(kind, False, g, schedule=schedule)
   out, _ = _call("jax_ep_grouped_gemm_fp8", (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
                                              jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8)))(
-      a, a_scales, b, b_scales, group_sizes, kind=np.int32(kind),
+      a, a_scales, b, b_scales, group_sizes, kind=np.int32(kind), schedule=np.int32(schedule),
       group_stride=np.int64(group_stride), num_sms=np.int32(num_sms))
   return out
+
+
+def fp8_cast_weights_cuda(w: Array) -> tuple[Array, Array, Array]:
+  """w [G, H, F] bf16/f32 -> (q_nk [G, F, H], q_kn [G, H, F] e4m3, scales
+  [G, H/128, F/128] f32): one pass, both orientations (kernels/fp8_cast.h)."""
+  g, h, f = w.shape
+  return _call("jax_ep_fp8_cast_weights", (
+      jax.ShapeDtypeStruct((g, f, h), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((g, h, f), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((g, h // 128, f // 128), jnp.float32)))(w)
+
+
+def fp8_cast_tokens_cuda(x: Array, chunk_src: Array, chunk_rows: Array) -> tuple[Array, Array]:
+  """x [M, C] -> (qT [C, P] e4m3, scales [P/128, C] f32) with P = 128 *
+  len(chunk_src): chunk k holds rows [chunk_src[k], + chunk_rows[k]) of x,
+  then zeros (kernels/fp8_cast.h)."""
+  c, p = x.shape[1], 128 * chunk_src.shape[0]
+  return _call("jax_ep_fp8_cast_tokens", (
+      jax.ShapeDtypeStruct((c, p), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((p // 128, c), jnp.float32)))(x, chunk_src, chunk_rows)
 
 
 # CUTLASS keeps a few tensor maps per SM: sized for more SMs than any GPU
@@ -144,7 +164,7 @@ _WORKSPACE_SMS = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _grouped_gemm_workspace_bytes(kind: int, out_f32: bool, num_groups: int, rows: int = 0,
-                                  hidden: int = 0) -> int:
+def _grouped_gemm_workspace_bytes(kind: int, out_f32: bool, num_groups: int,
+                                  schedule: int = 0) -> int:
   return int(_native.module().grouped_gemm_workspace_bytes(kind, bool(out_f32), num_groups,
-                                                           _WORKSPACE_SMS, rows, hidden))
+                                                           _WORKSPACE_SMS, schedule))

@@ -28,7 +28,8 @@ CHUNKS_PER_SOURCE = 4096
 TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch",
            "jax_ep_combine", "jax_ep_engram_publish", "jax_ep_engram_fetch",
            "jax_ep_engram_publish_fetch", "jax_ep_engram_grad", "jax_ep_grouped_gemm",
-           "jax_ep_grouped_gemm_fp8", "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send",
+           "jax_ep_grouped_gemm_fp8", "jax_ep_fp8_cast_weights", "jax_ep_fp8_cast_tokens",
+           "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send",
            "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine", "jax_ep_ll_combine_send",
            "jax_ep_ll_combine_recv")
 

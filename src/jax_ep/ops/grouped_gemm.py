@@ -310,12 +310,25 @@ class Fp8Weights(NamedTuple):
   s_t: Array  # [G, F/128, H/128] f32
 
 
-def fp8_weights(w: Array) -> Fp8Weights:
+def fp8_weights(w: Array, *, backend: Optional[str] = None) -> Fp8Weights:
   """Quantise master weights w [G, H, F] (f32 or bf16) for FP8 training:
   one read of w, both orientations written. Make it inside the step, or
   once per optimizer update and pass it to grouped_matmul_fp8(w_fp8=...)."""
-  q, s = quantize_weights_fp8(w)
-  return Fp8Weights(q=q, s=s, q_t=jnp.transpose(q, (0, 2, 1)), s_t=jnp.transpose(s, (0, 2, 1)))
+  g, h, f = w.shape
+  if h % fp8.BLOCK or f % fp8.BLOCK:
+    raise ValueError(f"w: H={h} and F={f} must be multiples of {fp8.BLOCK} for FP8 weights")
+  if w.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    w = w.astype(jnp.float32)
+
+  def ref(w):
+    q, s = quantize_weights_fp8(w)
+    return q, jnp.transpose(q, (0, 2, 1)), s
+
+  def kernel(w):
+    return tuple(_match_vma(a, w) for a in _ffi.fp8_cast_weights_cuda(w))
+
+  q, q_t, s = _pick(kernel, ref, backend, w)
+  return Fp8Weights(q=q, s=s, q_t=q_t, s_t=jnp.transpose(s, (0, 2, 1)))
 
 
 def _effective_groups(sizes: Array, rows: int) -> tuple[Array, Array]:
@@ -332,7 +345,8 @@ def padded_token_count(rows: int, groups: int) -> int:
   return fp8.BLOCK * (-(-rows // fp8.BLOCK) + groups)
 
 
-def quantize_token_major(x: Array, sizes: Array) -> tuple[Array, Array, Array]:
+def quantize_token_major(x: Array, sizes: Array, *, backend: Optional[str] = None
+                         ) -> tuple[Array, Array, Array]:
   """x [M, C] -> (qT [C, P] e4m3, s [P/128, C] f32, padded_sizes [G] i32).
 
   The weight gradient's operand layout: the token axis moved last (K-major
@@ -342,26 +356,44 @@ def quantize_token_major(x: Array, sizes: Array) -> tuple[Array, Array, Array]:
   m, c = x.shape
   g = sizes.shape[0]
   p = padded_token_count(m, g)
+  if x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    x = x.astype(jnp.float32)
   starts, eff = _effective_groups(sizes.astype(jnp.int32), m)
   chunks = (eff + fp8.BLOCK - 1) // fp8.BLOCK
-  pstart = fp8.BLOCK * (jnp.cumsum(chunks) - chunks)
-  pos = jnp.arange(p, dtype=jnp.int32)
-  grp = jnp.clip(jnp.searchsorted(pstart, pos, side="right") - 1, 0, g - 1)
-  t = pos - pstart[grp]
-  valid = (t >= 0) & (t < eff[grp])
-  src = jnp.where(valid, starts[grp] + t, 0)
-  xp = jnp.where(valid[:, None], x[src].astype(jnp.float32), 0.0)
-  xb = xp.reshape(p // fp8.BLOCK, fp8.BLOCK, c)
-  amax = jnp.max(jnp.abs(xb), axis=1)
-  s = jnp.maximum(amax, jnp.float32(fp8.AMAX_FLOOR)) * fp8.INV_E4M3_MAX
-  q = fp8.to_e4m3(jnp.clip(xb * fp8.reciprocal_rn(s)[:, None, :], -fp8.E4M3_MAX, fp8.E4M3_MAX))
-  return jnp.transpose(q.reshape(p, c)), s, (chunks * fp8.BLOCK).astype(jnp.int32)
+  cstart = jnp.cumsum(chunks) - chunks
+  # Per chunk of the padded axis: its group, first source row and rows.
+  k = jnp.arange(p // fp8.BLOCK, dtype=jnp.int32)
+  grp = jnp.clip(jnp.searchsorted(cstart, k, side="right") - 1, 0, g - 1)
+  local = k - cstart[grp]
+  live = local < chunks[grp]
+  chunk_src = jnp.where(live, starts[grp] + fp8.BLOCK * local, 0).astype(jnp.int32)
+  chunk_rows = jnp.where(live, jnp.clip(eff[grp] - fp8.BLOCK * local, 0, fp8.BLOCK),
+                         0).astype(jnp.int32)
+  psizes = (chunks * fp8.BLOCK).astype(jnp.int32)
+
+  def ref(x, chunk_src, chunk_rows):
+    t = jnp.arange(fp8.BLOCK, dtype=jnp.int32)
+    valid = t[None, :] < chunk_rows[:, None]
+    src = jnp.where(valid, chunk_src[:, None] + t[None, :], 0).reshape(p)
+    xp = jnp.where(valid.reshape(p)[:, None], x[src].astype(jnp.float32), 0.0)
+    xb = xp.reshape(p // fp8.BLOCK, fp8.BLOCK, c)
+    amax = jnp.max(jnp.abs(xb), axis=1)
+    s = jnp.maximum(amax, jnp.float32(fp8.AMAX_FLOOR)) * fp8.INV_E4M3_MAX
+    q = fp8.to_e4m3(jnp.clip(xb * fp8.reciprocal_rn(s)[:, None, :], -fp8.E4M3_MAX,
+                             fp8.E4M3_MAX))
+    return jnp.transpose(q.reshape(p, c)), s
+
+  def kernel(x, chunk_src, chunk_rows):
+    return tuple(_match_vma(a, x) for a in _ffi.fp8_cast_tokens_cuda(x, chunk_src, chunk_rows))
+
+  qt, s = _pick(kernel, ref, backend, x, chunk_src, chunk_rows)
+  return qt, s, psizes
 
 
 def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
   """dw[g] = x_g^T dy_g with both operands FP8 along the tokens, bf16 out."""
-  xq, xs, psizes = quantize_token_major(x, sizes)
-  dq, ds, _ = quantize_token_major(dy, sizes)
+  xq, xs, psizes = quantize_token_major(x, sizes, backend=backend)
+  dq, ds, _ = quantize_token_major(dy, sizes, backend=backend)
 
   def ref(xq, xs, dq, ds, psizes):
     def deq(q, s):  # [C, P], [P/128, C] -> [P, C] f32
@@ -459,7 +491,8 @@ def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] 
     _check_fp8(x, w, group_sizes, masked=False, backend=backend)
     return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
   _check_fp8_train(x, w, group_sizes, w_fp8, backend)
-  wf = fp8_weights(w) if w_fp8 is None else jax.tree.map(lax.stop_gradient, w_fp8)
+  wf = (fp8_weights(w, backend=backend) if w_fp8 is None
+        else jax.tree.map(lax.stop_gradient, w_fp8))
   return _fp8_train(x, w, group_sizes.astype(jnp.int32), wf, backend, num_sms)
 
 

@@ -183,11 +183,6 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
       calls = {
           ("fwd", "jax_ep_fp8"): (lambda a, b, c, d, s=sizes: jax_ep.grouped_matmul_fp8(
               (a, b), (c, d), s, backend="cuda"), (xq, xs, wf.q, wf.s)),
-          ("fwd", "jax_ep_fp8_pingpong"): (lambda a, b, c, d, s=sizes: _ffi.grouped_gemm_fp8_cuda(
-              a, b, c, d, s, schedule=1), (xq, xs, wf.q, wf.s)),
-          ("dgrad", "jax_ep_fp8_dgrad_pingpong"): (
-              lambda a, b, c, d, s=sizes: _ffi.grouped_gemm_fp8_cuda(a, b, c, d, s, schedule=1),
-              (dq, ds, wf.q_t, wf.s_t)),
           ("fwd", "jax_ep"): (lambda a, b, s=sizes: jax_ep.grouped_matmul(
               a, b, s, backend="cuda"), (xb, wb)),
           ("dgrad", "jax_ep_fp8_dgrad"): (lambda a, b, c, d, s=sizes: _ffi.grouped_gemm_fp8_cuda(
@@ -216,8 +211,6 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
       # Correctness at this shape before timing: each FP8 product against
       # its bf16 kernel (e4m3 operands: a few percent).
       pairs = ((("fwd", "jax_ep_fp8"), ("fwd", "jax_ep")),
-               (("fwd", "jax_ep_fp8_pingpong"), ("fwd", "jax_ep")),
-               (("dgrad", "jax_ep_fp8_dgrad_pingpong"), ("dgrad", "jax_ep_dgrad")),
                (("dgrad", "jax_ep_fp8_dgrad"), ("dgrad", "jax_ep_dgrad")),
                (("wgrad", "jax_ep_fp8_wgrad"), ("wgrad", "jax_ep_wgrad")))
       outs = {}
@@ -242,7 +235,6 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
         times[(mode, impl)] = bn.time_or_none(f"fp8 {direction} {routing} {impl}", f, a, quick,
                                               max_iters=10)
       base = {"fwd": "jax_ep", "dgrad": "jax_ep_dgrad", "wgrad": "jax_ep_wgrad"}
-      # A cast of the whole vjp is not needed twice per routing.
       for (mode, impl), t in times.items():
         bf = times.get((mode, "jax_ep" if mode == "fwd_bwd" else base.get(mode, "")))
         mult = 3 if mode == "fwd_bwd" else (0 if mode == "cast" else 1)
@@ -273,18 +265,6 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
       valid = float(counts.sum())
       rec("up", "decode", "jax_ep_fp8_masked", t, 2.0 * valid * k * n, None, dtype="fp8",
           valid_rows=valid, weight_read_gbps=None if t is None else EXPERTS * k * n / t / 1e9)
-      fp = lambda a, b, c, d: _ffi.grouped_gemm_fp8_cuda(a, b, c, d, counts, group_stride=S,
-                                                         schedule=1)
-      try:
-        jax.block_until_ready(jax.jit(fp)(gq, gs, wf.q, wf.s))
-        t = bn.time_or_none("decode jax_ep_fp8_masked_pingpong", fp, (gq, gs, wf.q, wf.s), quick,
-                            max_iters=20)
-      except Exception as e:  # noqa: BLE001
-        print(f"  decode pingpong FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        t = None
-      rec("up", "decode", "jax_ep_fp8_masked_pingpong", t, 2.0 * valid * k * n, None,
-          dtype="fp8", valid_rows=valid,
-          weight_read_gbps=None if t is None else EXPERTS * k * n / t / 1e9)
     del wf, wb
 
 

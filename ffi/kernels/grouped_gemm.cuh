@@ -96,9 +96,11 @@ struct Fp8Scales {
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 };
 
-// Pingpong: each consumer warpgroup its own 64-row tile, one's epilogue and
-// scale promotion overlapping the other's tensor-core work; half the rows
-// of a cooperative tile, so half the padding waste on ragged groups.
+// Pingpong, for the masked decode form: each consumer warpgroup its own
+// 64-row tile, one's epilogue and scale promotion overlapping the other's
+// tensor-core work. The decode grid holds a few rows per group and is bound
+// by reading the weights, which two tiles per SM in flight read faster; on
+// full groups the cooperative 128-row tiles win (measured 2026-12-04).
 struct Fp8PingpongSchedule {
   using Tile = cute::Shape<cute::_64, cute::_128, cute::_128>;
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;

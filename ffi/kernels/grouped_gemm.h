@@ -64,7 +64,8 @@ struct GroupedGemmArgs {
   //      min(sizes[g], group_stride)) of a (and of out for row outputs).
   int64_t group_stride = 0;
   int num_sms = 0;  // 0: all of the device's
-  // kForwardFp8: 0 cooperative 128-row tiles, 1 pingpong 64-row tiles.
+  // kForwardFp8: 0 cooperative 128-row tiles (contiguous groups), 1
+  // pingpong 64-row tiles (the masked decode grid).
   int schedule = 0;
 };
 

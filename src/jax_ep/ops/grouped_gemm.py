@@ -282,9 +282,14 @@ def _fp8_product(xq, xs, wq, ws, sizes, *, masked: bool, backend, num_sms):
     return _ragged_reference(xd, wd, sizes, out_dtype=jnp.dtype(jnp.bfloat16))
 
   def kernel(xq, xs, wq, ws, sizes):
+    # The decode grid holds a few rows per group and is bound by reading the
+    # weights: 64-row pingpong tiles (two per SM in flight) read them at
+    # 3.8 TB/s against 2.9 for 128-row cooperative tiles, which win on the
+    # contiguous layout's full groups (1.20 against 1.47 ms at the MoE
+    # shape; benchmarks/results, 2026-12-04).
     out = _ffi.grouped_gemm_fp8_cuda(xq, xs, wq, ws, sizes,
                                      group_stride=xq.shape[1] if masked else 0,
-                                     num_sms=num_sms or 0)
+                                     num_sms=num_sms or 0, schedule=1 if masked else 0)
     return _match_vma(out, xq, wq, sizes)
 
   return _pick(kernel, ref, backend, xq, xs, wq, ws, sizes)
@@ -491,7 +496,9 @@ def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] 
     _check_fp8(x, w, group_sizes, masked=False, backend=backend)
     return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
   _check_fp8_train(x, w, group_sizes, w_fp8, backend)
-  wf = (fp8_weights(w, backend=backend) if w_fp8 is None
+  # The weights' cast is not differentiated through: the custom_vjp below
+  # returns the master weights' gradient itself.
+  wf = (fp8_weights(lax.stop_gradient(w), backend=backend) if w_fp8 is None
         else jax.tree.map(lax.stop_gradient, w_fp8))
   return _fp8_train(x, w, group_sizes.astype(jnp.int32), wf, backend, num_sms)
 

@@ -73,7 +73,8 @@ def test_probe_lowers_to_custom_call_with_per_shard_shape():
     mesh = _mesh(R)
 
     def per_rank(x):
-        return _ffi.probe_all_to_all_cuda(x.reshape(R, n), comm_id=COMM_ID).reshape(1, R * n)
+        from comm_probe import probe_all_to_all_cuda
+        return probe_all_to_all_cuda(x.reshape(R, n), comm_id=COMM_ID).reshape(1, R * n)
 
     text = _export_text(_smap(per_rank, mesh), jax.ShapeDtypeStruct((R, R * n), jnp.bfloat16))
     calls = _custom_calls(text, "jax_ep_probe_all_to_all")

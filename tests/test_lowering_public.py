@@ -278,6 +278,14 @@ def test_low_latency_auto_falls_back_where_the_kernels_cannot_run(small_fake_com
   assert choose(reserved=1 << 20) == "reference"         # no room above reserved_bytes
   assert choose("reference") == "reference"
   assert choose("cuda") == "cuda"
+  comm = _FakeComm(num_bytes=1 << 20)
+  comm.info = lambda: [dict(rank=0, gin_mask=0b10)]                  # a peer reached by GIN
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(_backend, "cuda_comm", lambda axis_name: comm)
+    assert choose() == "reference"
+    assert choose("cuda") == "cuda"                      # the handler says why at run time
+    comm.info = lambda: [dict(rank=0, gin_mask=0)]
+    assert choose() == "auto"
   with pytest.raises(ValueError, match="bf16"):
     choose("cuda", dtype=jnp.float32)
   with pytest.raises(ValueError, match="window bytes"):

@@ -9,8 +9,9 @@ Backends, chosen once per call by `_choose`:
     multiple of 8 (128 with FP8), 1 <= K <= 32 and max_tokens <= 65535;
     anything else is a ValueError at trace time.
   None / "auto": the kernels on the CUDA platform where they can run (a
-    Communicator for the axis, an input they take, a window that holds their
-    area above `reserved_bytes`), the pure-JAX reference otherwise.
+    Communicator for the axis whose peers are all NVLink (LSA) peers, an
+    input they take, a window that holds their area above
+    `reserved_bytes`), the pure-JAX reference otherwise.
   "reference": the reference.
 Rows of recv_x at or past recv_count are unspecified on the kernels (they
 never write them) and zero in the reference: compare or consume the valid
@@ -77,6 +78,15 @@ def _window_need(axis_name: str, *, num_experts: int, max_tokens: int, hidden: i
                                     reserved_bytes=reserved_bytes)
 
 
+def _has_gin_peer(comm) -> bool:
+  """Whether a local rank of `comm` reaches a peer by GIN, which the kernels
+  have no path for (the handler refuses the call). Every member of an EP
+  group that spans NVLink domains has such a peer, so the ranks of a group
+  decide alike."""
+  info = getattr(comm, "info", None)
+  return bool(info is not None and any(d.get("gin_mask", 0) for d in info()))
+
+
 def _choose(backend: Optional[str], axis_name: str, *, dtype, hidden: int, fp8: bool, topk: int,
             num_experts: int, max_tokens: int, reserved_bytes: int) -> str:
   """"cuda" (forced: the kernels or a ValueError), "auto" (the kernels on the
@@ -96,7 +106,7 @@ def _choose(backend: Optional[str], axis_name: str, *, dtype, hidden: int, fp8: 
                        f"Communicator has {comm.num_bytes}; create it with num_bytes >= {need} "
                        f"(jax_ep.get_buffer_size_hint(..., low_latency=True))")
     return "cuda"
-  if comm is None or why is not None or need > comm.num_bytes:
+  if comm is None or why is not None or need > comm.num_bytes or _has_gin_peer(comm):
     return "reference"
   return "auto"
 

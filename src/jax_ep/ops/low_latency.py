@@ -117,7 +117,7 @@ def _run_kind(kind: str) -> Optional[str]:
 
 
 def _check_options(reserved_bytes, num_sms) -> int:
-  """num_sms as the kernels' attribute (0: every SM)."""
+  """num_sms as the kernels' attribute (0: the kernels' own choice)."""
   if (not isinstance(reserved_bytes, (int, np.integer)) or isinstance(reserved_bytes, bool)
       or reserved_bytes < 0):
     raise ValueError(f"reserved_bytes must be an int >= 0, got {reserved_bytes!r}")
@@ -248,7 +248,8 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
     fp8 / ue8m0: cast to e4m3 with per-128-channel scales (powers of two).
     reserved_bytes: CUDA: window bytes from the base that other ops of the
       program (dispatch / combine) use; the kernels' area goes above them.
-    num_sms: CUDA: at most this many CTAs (one per SM); None = every SM.
+    num_sms: CUDA: at most this many CTAs (one per SM); None: one per
+      local expert or per 16 tokens, at most every SM.
     backend: see the module doc.
   Returns:
     recv_x [E_l, R * max_tokens, H] (or (e4m3, scales [E_l, R * max_tokens,

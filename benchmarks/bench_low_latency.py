@@ -3,24 +3,23 @@
 128 tokens/rank, H=7168, top-8 of 256 experts (uniform random, distinct),
 max_tokens = 128, FP8 (cast in the op) and BF16 dispatch, BF16 combine.
 Measured in the same process run:
-  jax_ep          low_latency_*(backend="cuda"): the low-latency ops over the
-                  normal CUDA kernels (jax_ep/ops/_low_latency_normal.py)
-  jax_ep_kernels  the dedicated kernels (docs/low_latency.md), fused, and
-  jax_ep_kernels_split  as *_start + *_done; each first checked against the
+  jax_ep          low_latency_dispatch / low_latency_combine(backend="cuda"):
+                  the low-latency kernels (docs/low_latency.md), fused, and
+  jax_ep_split    as *_start + *_done; each first checked against the
                   reference (counts, valid rows, combine bits) and left out,
                   saying why, if it disagrees
-  jax_ep_kernels_checked  the fused kernels on a checked Communicator
-                  (docs/errors.md), for checked mode's cost
+  jax_ep_checked  the fused ops on a checked Communicator (docs/errors.md),
+                  for checked mode's cost
   reference       low_latency_*(backend="reference")
   jax_all_to_all  one row per (token, rank) + dense lax.all_to_all (the
                   strongest JAX-native pipeline of bench_normal), dispatch and
                   combine at the same token count
 
-The reference and the composition write the whole [E_l, R * max_tokens, H]
-grid (470 MB per rank at this shape in BF16); the dedicated kernels write
-only the valid rows (rows past the counts are unspecified by contract). Times are medians of
+The reference writes the whole [E_l, R * max_tokens, H] grid (470 MB per
+rank at this shape in BF16); the kernels write only the valid rows (rows
+past the counts are unspecified by contract). Times are medians of
 jitted steps of chained calls (bench_normal._time_step: 50 calls per step
-for the dedicated kernels, with the profiler's kernel time per call and
+for the kernels, with the profiler's kernel time per call and
 `digest_us`, the chain returning one digest of its outputs
 (bench_normal.digest_times), beside them; at most 8 for the others, whose
 grids are large); the L2 is not
@@ -45,7 +44,7 @@ sys.path.insert(0, HERE)
 import bench_normal  # noqa: E402
 
 MAX_TOKENS = 128
-KERNEL_CHAIN = 50   # calls per jitted step for the dedicated kernels (issue: >= 50)
+KERNEL_CHAIN = 50   # calls per jitted step on the kernels, as a decode loop sees them
 
 
 def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
@@ -63,8 +62,7 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
   results: list[dict] = []
 
   def bench(name, impl, dtype, fn, args, row_bytes, *, chain=8, kernel=None):
-    """`chain` calls per jitted step (the dedicated kernels: >= 50, as a
-    decode loop sees them); `kernel`: the kernel-name substring whose
+    """`chain` calls per jitted step (the kernels: KERNEL_CHAIN); `kernel`: the kernel-name substring whose
     profiler time per call is recorded next to the wall time."""
     t = bench_normal.time_or_none(f"{name}/{impl}/{dtype}", fn, args, quick, max_iters=chain)
     if t is None:
@@ -92,17 +90,16 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
   try:
     _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row)
-    for impl, backend in (("jax_ep", "cuda"), ("reference", "reference")):
-      for dtype, fp8, row in (("fp8", True, fp8_row), ("bf16", False, bf16_row)):
-        f = smap(lambda x, i, b=backend, q=fp8: jax_ep.low_latency_dispatch(
-            x, i, fp8=q, backend=b, **kw).recv_x)
-        bench("low_latency_dispatch", impl, dtype, f, (x, topk_idx), row)
-      o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)))(
-          x, topk_idx)
-      y = o.recv_x  # [R * E_l, R * max_tokens, H] bf16, a stand-in for expert outputs
-      fc = smap(lambda y, i, w, hd, b=backend: jax_ep.low_latency_combine(
-          y, i, w, hd, axis_name="ep", backend=b))
-      bench("low_latency_combine", impl, "bf16", fc, (y, topk_idx, w, o.handle), bf16_row)
+    for dtype, fp8, row in (("fp8", True, fp8_row), ("bf16", False, bf16_row)):
+      f = smap(lambda x, i, q=fp8: jax_ep.low_latency_dispatch(
+          x, i, fp8=q, backend="reference", **kw).recv_x)
+      bench("low_latency_dispatch", "reference", dtype, f, (x, topk_idx), row)
+    o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)))(
+        x, topk_idx)
+    y = o.recv_x  # [R * E_l, R * max_tokens, H] bf16, a stand-in for expert outputs
+    fc = smap(lambda y, i, w, hd: jax_ep.low_latency_combine(
+        y, i, w, hd, axis_name="ep", backend="reference"))
+    bench("low_latency_combine", "reference", "bf16", fc, (y, topk_idx, w, o.handle), bf16_row)
     fd = smap(functools.partial(bench_normal._dense_all_to_all_dispatch, shape=shape, axis="ep"))
     bench("low_latency_dispatch", "jax_all_to_all", "bf16", fd, (x, topk_idx), bf16_row)
     yd = jax.jit(fd)(x, topk_idx)
@@ -111,21 +108,21 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
     comm.check()
   finally:
     comm.close()
-  # Checked mode (docs/errors.md): the fused kernels again on a checked
+  # Checked mode (docs/errors.md): the fused ops again on a checked
   # Communicator (every op waits for its kernels and fails the program that
-  # caused an error); their cost against jax_ep_kernels above.
+  # caused an error); their cost against jax_ep above.
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes, checked=True)
   try:
-    from jax_ep.ops import low_latency as ll
-    kd = dict(kw, reserved_bytes=reserved)
-    bench("low_latency_dispatch", "jax_ep_kernels_checked", "bf16",
-          smap(lambda x, i: ll.kernel_dispatch(x, i, **kd).recv_x), (x, topk_idx), bf16_row,
-          chain=KERNEL_CHAIN, kernel="LlDispatchKernel")
-    o = jax.jit(smap(lambda x, i: ll.kernel_dispatch(x, i, **kd)))(x, topk_idx)
+    kd = dict(kw, reserved_bytes=reserved, backend="cuda")
+    bench("low_latency_dispatch", "jax_ep_checked", "bf16",
+          smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, **kd).recv_x), (x, topk_idx),
+          bf16_row, chain=KERNEL_CHAIN, kernel="LlDispatchKernel")
+    o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, **kd)))(x, topk_idx)
     y = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw).recv_x))(
         x, topk_idx)
-    bench("low_latency_combine", "jax_ep_kernels_checked", "bf16",
-          smap(lambda y, i, w, hd: ll.kernel_combine(y, i, w, hd, reserved_bytes=reserved)),
+    bench("low_latency_combine", "jax_ep_checked", "bf16",
+          smap(lambda y, i, w, hd: jax_ep.low_latency_combine(
+              y, i, w, hd, reserved_bytes=reserved, backend="cuda")),
           (y, topk_idx, w, o.handle), bf16_row, chain=KERNEL_CHAIN, kernel="LlCombineKernel")
     comm.check()
   finally:
@@ -134,25 +131,25 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
 
 
 def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row) -> None:
-  """The dedicated kernels, fused and split, after an agreement check with
-  the reference at this shape (they are new: a disagreement is reported and
-  the kernel left out, not timed)."""
+  """The public ops on the kernels (backend="cuda"), fused and split, after
+  an agreement check with the reference at this shape (a disagreement is
+  reported and that form left out, not timed)."""
   import jax
   import numpy as np
   import jax_ep
-  from jax_ep.ops import low_latency as ll
 
   def bits(a):  # raw bytes, so NaN patterns compare too
     return np.ascontiguousarray(a).view(np.uint8)
 
   ref_o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)))
-  kd = dict(kw, reserved_bytes=reserved)
+  kd = dict(kw, reserved_bytes=reserved, backend="cuda")
   for dtype, fp8, row in (("fp8", True, fp8_row), ("bf16", False, bf16_row)):
-    fused = lambda x, i, q=fp8: ll.kernel_dispatch(x, i, fp8=q, **kd)
-    split = lambda x, i, q=fp8: ll.kernel_dispatch_done(ll.kernel_dispatch_start(x, i, fp8=q, **kd))
+    fused = lambda x, i, q=fp8: jax_ep.low_latency_dispatch(x, i, fp8=q, **kd)
+    split = lambda x, i, q=fp8: jax_ep.low_latency_dispatch_done(
+        jax_ep.low_latency_dispatch_start(x, i, fp8=q, **kd))
     want = jax.jit(smap(lambda x, i, q=fp8: jax_ep.low_latency_dispatch(
         x, i, fp8=q, backend="reference", **kw)))(x, topk_idx)
-    for impl, f in (("jax_ep_kernels", fused), ("jax_ep_kernels_split", split)):
+    for impl, f in (("jax_ep", fused), ("jax_ep_split", split)):
       try:
         got = jax.jit(smap(f))(x, topk_idx)
         counts = np.asarray(want.recv_count).reshape(-1)
@@ -176,10 +173,11 @@ def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row
   y = o.recv_x
   want = jax.jit(smap(lambda y, i, w, hd: jax_ep.low_latency_combine(
       y, i, w, hd, axis_name="ep", backend="reference")))(y, topk_idx, w, o.handle)
-  fused = lambda y, i, w, hd: ll.kernel_combine(y, i, w, hd, reserved_bytes=reserved)
-  split = lambda y, i, w, hd: ll.kernel_combine_done(
-      ll.kernel_combine_start(y, i, w, hd, reserved_bytes=reserved))
-  for impl, f in (("jax_ep_kernels", fused), ("jax_ep_kernels_split", split)):
+  ckw = dict(axis_name="ep", reserved_bytes=reserved, backend="cuda")
+  fused = lambda y, i, w, hd: jax_ep.low_latency_combine(y, i, w, hd, **ckw)
+  split = lambda y, i, w, hd: jax_ep.low_latency_combine_done(
+      jax_ep.low_latency_combine_start(y, i, w, hd, **ckw))
+  for impl, f in (("jax_ep", fused), ("jax_ep_split", split)):
     try:
       got = jax.jit(smap(f))(y, topk_idx, w, o.handle)
       ok = np.array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
@@ -194,14 +192,11 @@ def _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row
 
 
 def windows(shape: bench_normal.Shape) -> tuple[int, int]:
-  """(reserved_bytes, the Communicator's num_bytes) at this shape: the
-  composition over the normal kernels uses the window from its base, the
-  dedicated kernels' area goes above it (reserved)."""
+  """(reserved_bytes, the Communicator's num_bytes) at this shape: nothing
+  else here uses the window, so the kernels' area starts at its base, as
+  with the ops' default reserved_bytes."""
   from jax_ep import _ffi_low_latency
-  from jax_ep._ffi_dispatch import window_bytes_needed
-  reserved = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
-                                              hidden=shape.hidden, topk=shape.topk,
-                                              num_experts=shape.experts))
+  reserved = 0
   nbytes = _ffi_low_latency.window_bytes_needed(
       num_ranks=shape.ranks, max_tokens=MAX_TOKENS, hidden=shape.hidden, topk=shape.topk,
       num_experts=shape.experts, reserved_bytes=reserved)

@@ -55,7 +55,6 @@ def main(argv=None) -> int:
     return 0
 
   import bench_low_latency as bll
-  from jax_ep.ops import low_latency as ll
   shape = bench_normal.Shape(tokens=bll.MAX_TOKENS)
   mesh = Mesh(np.array(jax.devices()[:shape.ranks]), ("ep",))
   smap = functools.partial(jax_ep.shard_map, mesh=mesh)
@@ -64,14 +63,16 @@ def main(argv=None) -> int:
   reserved, nbytes = bll.windows(shape)  # the benchmark's window, so the same layout
   with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes):
     fp8 = args.op == "ll_dispatch_fp8"
-    d = jax.jit(smap(lambda x, i: ll.kernel_dispatch(x, i, fp8=fp8, reserved_bytes=reserved, **kw)))
+    d = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(
+        x, i, fp8=fp8, reserved_bytes=reserved, backend="cuda", **kw)))
     if args.op != "ll_combine":
       for _ in range(args.calls):
         jax.block_until_ready(d(x, topk_idx))
       return 0
     o = jax.jit(smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, backend="reference", **kw)))(
         x, topk_idx)
-    c = jax.jit(smap(lambda y, i, w, hd: ll.kernel_combine(y, i, w, hd, reserved_bytes=reserved)))
+    c = jax.jit(smap(lambda y, i, w, hd: jax_ep.low_latency_combine(
+        y, i, w, hd, reserved_bytes=reserved, backend="cuda")))
     for _ in range(args.calls):
       jax.block_until_ready(c(o.recv_x, topk_idx, w, o.handle))
   return 0

@@ -16,9 +16,17 @@ NB_MODULE(_jax_ep, m) {
 #else
   m.attr("cuda_built") = false;
 #endif
+  // The test harness (ffi/testing/: virtual ranks, the probe, device timers),
+  // built with JAX_EP_TESTING=ON only.
+#if defined(JAX_EP_WITH_CUDA) && defined(JAX_EP_TESTING)
+  m.attr("testing_built") = true;
+#else
+  m.attr("testing_built") = false;
+#endif
   // What CMake found when this module was built (CMakeLists.txt).
   nb::dict info;
   info["cuda_built"] = m.attr("cuda_built");
+  info["testing_built"] = m.attr("testing_built");
   info["why_not_cuda"] = JAX_EP_BUILD_REASON;
   info["jaxlib_at_build"] = JAX_EP_BUILD_JAXLIB;
   info["cuda_toolkit"] = JAX_EP_BUILD_CUDA;

@@ -40,6 +40,7 @@ BENCH=$(mktemp -d /tmp/jax_ep_bench.XXXXXX)
 # Never NVLink multicast (NVLS): not available / not wanted on these machines.
 export NCCL_NVLS_ENABLE=0
 export JAX_EP_CUDA=ON
+export JAX_EP_TESTING=ON   # the virtual-rank harness and the probe the GPU tests use
 
 status=0
 build="FAIL"; versions="FAIL"; tests="not run"; bench_failed=""; bench_ran=0
@@ -110,7 +111,7 @@ if ! "$PY" -c "import cutlass_library" 2>/dev/null; then
   done
 fi
 
-note "build (JAX_EP_CUDA=ON)"
+note "build (JAX_EP_CUDA=ON JAX_EP_TESTING=ON)"
 if "$PY" -m pip install --no-build-isolation --no-deps -e . >"$LOGS/build.log" 2>&1; then
   build="ok"
 else
@@ -128,11 +129,13 @@ import jax_ep
 from jax_ep import _native
 print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
 print("devices", jax.devices())
-print("cuda_built", _native.cuda_built(), "cuda_available", _native.cuda_available())
+print("cuda_built", _native.cuda_built(), "cuda_available", _native.cuda_available(),
+      "testing_built", _native.testing_built())
 compiled, runtime = _native.nccl_version()
 print("nccl compiled", compiled, "runtime", runtime)
 assert _native.cuda_available(), "CUDA path not available"
 assert compiled == runtime, "NCCL headers and runtime differ"
+assert _native.testing_built(), "built without the test harness (JAX_EP_TESTING=ON)"
 PYEOF
 then
   versions="ok"

@@ -1,6 +1,6 @@
 """Run by test_gpu_low_latency.py in a fresh process (XLA reads XLA_FLAGS
-once): a jitted decode loop of low-latency kernel dispatch -> expert stand-in
--> combine, against the same loop on the reference; prints one line
+once): a jitted decode loop of low-latency dispatch -> expert stand-in ->
+combine on the kernels (backend="cuda"), against the same loop on the reference; prints one line
 "LL_CMDBUF equal=<bool> us_per_step=<float>"."""
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ sys.path.insert(0, HERE)
 import gpu_helpers as h  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep.comm import Communicator  # noqa: E402
-from jax_ep.ops import low_latency as ll  # noqa: E402
 from oracle import bits  # noqa: E402
 
 
@@ -37,14 +36,14 @@ def main() -> int:
   def loop(kernels):
     def per_rank(x, i, wt):
       def step(_, x):
-        if kernels and os.environ.get("LL_SPLIT") == "1":
-          o = ll.kernel_dispatch_done(ll.kernel_dispatch_start(x, i, num_experts=E, max_tokens=M))
-          return ll.kernel_combine_done(ll.kernel_combine_start(o.recv_x * 2, i, wt, o.handle))
-        if kernels:
-          o = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=M)
-          return ll.kernel_combine(o.recv_x * 2, i, wt, o.handle)
-        o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=M, backend="reference")
-        return jax_ep.low_latency_combine(o.recv_x * 2, i, wt, o.handle, backend="reference")
+        backend = "cuda" if kernels else "reference"
+        if os.environ.get("LL_SPLIT") == "1":
+          o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(
+              x, i, num_experts=E, max_tokens=M, backend=backend))
+          return jax_ep.low_latency_combine_done(jax_ep.low_latency_combine_start(
+              o.recv_x * 2, i, wt, o.handle, backend=backend))
+        o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=M, backend=backend)
+        return jax_ep.low_latency_combine(o.recv_x * 2, i, wt, o.handle, backend=backend)
       return lax.fori_loop(0, STEPS, step, x)
     return h.per_rank_jit(mesh, per_rank)
 

@@ -1,4 +1,4 @@
-"""Virtual EP ranks on one GPU (ffi/handlers/loopback.cc, docs/design.md §8).
+"""Virtual EP ranks on one GPU (ffi/testing/loopback.cc, docs/design.md §8).
 
 The normal and low-latency kernels of R ranks, each rank on its own stream,
 their windows side by side in one GPU's memory: the multi-rank paths
@@ -26,6 +26,9 @@ class Loopback:
   def __init__(self, nranks: int, window_bytes: int, *, gin_emulated: bool = False,
                timeout_s: float = 10.0, device: int = 0):
     self.R = nranks
+    if not _native.testing_built():
+      raise RuntimeError("the virtual-rank harness is in jax_ep only when built with "
+                         "JAX_EP_TESTING=ON (scripts/gpu_check.sh does)")
     self._m = _native.module()
     self.id = self._m.loopback_create(device, nranks, int(window_bytes), timeout_s, gin_emulated)
 

@@ -21,9 +21,10 @@ pytestmark = [
     pytest.mark.skipif(not _native.cuda_available(), reason="needs jax_ep's CUDA build and GPUs"),
 ]
 
+from comm_probe import needs_harness, probe_all_to_all_cuda
+
 if _native.cuda_available():
     import gpu_helpers as h
-    from jax_ep import _ffi
     from jax_ep import comm as comm_mod
     from jax_ep.comm import Communicator
 
@@ -91,13 +92,14 @@ def test_create_reports_ranks_devices_and_window():
     assert c.closed and comm_mod.current(h.AXIS) is None
 
 
+@needs_harness
 @pytest.mark.parametrize("dtype,n", [(jnp.float32, 4096), (jnp.bfloat16, 1000), (jnp.int8, 77)])
 def test_probe_equals_all_to_all_for_200_steps(dtype, n):
     mesh = _mesh2()
     R = 2
     rng = np.random.default_rng(3)
     with Communicator.create(mesh, h.AXIS, 16 << 20) as c:
-        f = h.per_rank_jit(mesh, lambda v: (_ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id),
+        f = h.per_rank_jit(mesh, lambda v: (probe_all_to_all_cuda(v, comm_id=c.comm_id),
                                             lax.all_to_all(v, h.AXIS, 0, 0)))
         base = rng.integers(-100, 100, size=(R, R, n))
         for step in range(200):
@@ -109,6 +111,7 @@ def test_probe_equals_all_to_all_for_200_steps(dtype, n):
         c.check()
 
 
+@needs_harness
 def test_probe_many_calls_in_one_jit_stay_in_step():
     """Back-to-back exchanges in one program: the entry barrier keeps a fast
     rank from overwriting slots its peer is still reading."""
@@ -117,7 +120,7 @@ def test_probe_many_calls_in_one_jit_stay_in_step():
         def body(v):
             outs = []
             for i in range(8):
-                outs.append(_ffi.probe_all_to_all_cuda(v + i, comm_id=c.comm_id))
+                outs.append(probe_all_to_all_cuda(v + i, comm_id=c.comm_id))
             return jnp.stack(outs)
 
         x = np.random.default_rng(4).standard_normal((2, 2, 3 << 16)).astype(np.float32)
@@ -128,15 +131,17 @@ def test_probe_many_calls_in_one_jit_stay_in_step():
         c.check()
 
 
+@needs_harness
 def test_probe_rejects_a_window_too_small():
     mesh = _mesh2()
     with Communicator.create(mesh, h.AXIS, 2 << 20) as c:
-        f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id))
+        f = h.per_rank_jit(mesh, lambda v: probe_all_to_all_cuda(v, comm_id=c.comm_id))
         x = np.zeros((2, 2, 1 << 20), np.float32)  # 8 MiB of slots > 2 MiB window
         with pytest.raises(Exception, match="num_bytes"):
             jax.block_until_ready(f(h.put(mesh, x)))
 
 
+@needs_harness
 def test_using_a_closed_communicator_raises_instead_of_touching_freed_memory():
     """Programs compiled against a Communicator (the probe; a dispatch +
     combine) refuse to run once it is closed (docs/design.md §3)."""
@@ -145,7 +150,7 @@ def test_using_a_closed_communicator_raises_instead_of_touching_freed_memory():
     args, per_rank, need = _dispatch_combine_case(mesh, 11)
     c = Communicator.create(mesh, h.AXIS, max(4 << 20, need))
     comm_id = c.comm_id
-    f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=comm_id))
+    f = h.per_rank_jit(mesh, lambda v: probe_all_to_all_cuda(v, comm_id=comm_id))
     g = h.per_rank_jit(mesh, per_rank("cuda"))
     x = h.put(mesh, np.ones((R, R, 64), np.float32))
     jax.block_until_ready(f(x))
@@ -159,6 +164,7 @@ def test_using_a_closed_communicator_raises_instead_of_touching_freed_memory():
         jax.block_until_ready(g(*args))
 
 
+@needs_harness
 def test_create_use_close_100_times_under_load_returns_gpu_memory():
     """docs/design.md §3: 100 Communicators, one after another, each with a
     64 MiB window and a dispatch + combine on it (re-traced for each: the
@@ -219,6 +225,7 @@ def test_check_size_against_buffer_size_hint():
             c.check_size(num_ranks=2, tokens_per_rank=4096, hidden=7168, topk=8, num_experts=256)
 
 
+@needs_harness
 def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works(monkeypatch):
     """JAX_EP_TRANSPORT=gin puts the other rank on GIN. These machines have no
     GIN-capable NIC: create must raise a message that names GIN, the peer and
@@ -253,7 +260,7 @@ def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works(monkeyp
     x = np.random.default_rng(5).standard_normal((2, 2, 256)).astype(np.float32)
     with Communicator.create(mesh, h.AXIS, 4 << 20) as c:
         assert all(d["gin_mask"] == 0 and d["lsa_size"] == 2 for d in c.info())
-        f = h.per_rank_jit(mesh, lambda v: _ffi.probe_all_to_all_cuda(v, comm_id=c.comm_id))
+        f = h.per_rank_jit(mesh, lambda v: probe_all_to_all_cuda(v, comm_id=c.comm_id))
         np.testing.assert_array_equal(np.asarray(f(h.put(mesh, x))), np.swapaxes(x, 0, 1))
         c.check()
 

@@ -57,7 +57,6 @@ def test_dispatch_combine_are_deterministic(comm, layout):
 
 
 def test_low_latency_kernels_are_deterministic(comm):
-  from jax_ep.ops import low_latency as ll
   R = comm.num_ranks
   rng = np.random.default_rng(stable_seed("determinism-ll"))
   T, H, K, E, M = 128, 2048, 8, 8 * R, 128
@@ -65,8 +64,8 @@ def test_low_latency_kernels_are_deterministic(comm):
   x = oracle.make_x(rng, (R, T, H), BF16)
 
   def f(x, i, w):
-    d = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=M)
-    y = ll.kernel_combine(d.recv_x, i, w, d.handle)
+    d = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=M, backend="cuda")
+    y = jax_ep.low_latency_combine(d.recv_x, i, w, d.handle, backend="cuda")
     # Rows past each expert's count are not written: compare the counted ones.
     rows = jax.numpy.arange(d.recv_x.shape[1])[None, :, None] < d.recv_count[:, None, None]
     return jax.numpy.where(rows, d.recv_x, 0), d.recv_count, y

@@ -115,7 +115,6 @@ def test_checked_mode_low_latency_overflow_fails_its_own_program(comm):
   max_tokens allows overflows that expert's (expert, source) slots: in
   checked mode the low-latency dispatch's own program fails naming the op
   and the overflow; the next correct call's counts are the reference's."""
-  from jax_ep.ops import low_latency as ll
   R, T, H, K, E, mt = comm.num_ranks, 4, 256, 8, 8, 4
   rng = np.random.default_rng(stable_seed("checked-ll"))
   x = rng.standard_normal((R, T, H)).astype(jax.numpy.bfloat16)
@@ -123,8 +122,9 @@ def test_checked_mode_low_latency_overflow_fails_its_own_program(comm):
   bad = good.copy()
   bad[:, :, :] = 0          # every (token, k) of every rank to expert 0: T*K = 32 rows > mt
   # Above the bytes this module's dispatches use (docs/low_latency.md).
-  f = h.per_rank_jit(comm.mesh, lambda x, i: ll.kernel_dispatch(
-      x, i, num_experts=E, max_tokens=mt, reserved_bytes=COMM_BYTES // 2).recv_count)
+  f = h.per_rank_jit(comm.mesh, lambda x, i: jax_ep.low_latency_dispatch(
+      x, i, num_experts=E, max_tokens=mt, reserved_bytes=COMM_BYTES // 2,
+      backend="cuda").recv_count)
   xs = h.put(comm.mesh, x)
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?i)low_latency.*(overflow|capacity)"):
     np.asarray(jax.block_until_ready(f(xs, h.put(comm.mesh, bad))))

@@ -26,6 +26,9 @@ from oracle import BF16, F32, stable_seed
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not _native.cuda_available(), reason="needs jax_ep's CUDA build and a GPU"),
+    pytest.mark.skipif(not _native.testing_built(),
+                       reason="the virtual-rank harness is not in this build of jax_ep "
+                              "(rebuild with JAX_EP_TESTING=ON, as scripts/gpu_check.sh does)"),
 ]
 
 if _native.cuda_available():

@@ -1,9 +1,8 @@
 """Low-latency dispatch / combine on GPU against the low-latency reference:
-backend="cuda" (today the ops over the normal CUDA kernels,
-jax_ep/ops/_low_latency_normal), bitwise, fused and split; and the dedicated
-kernels (jax_ep.ops.low_latency.kernel_dispatch / kernel_combine): counts,
-handle and every valid row bitwise, rows past the counts not compared (the
-contract leaves them unspecified), the combine bitwise."""
+the public ops on the dedicated kernels (backend="cuda", and the automatic
+choice on CUDA), fused and split: counts, handle and every valid row
+bitwise, rows past the counts not compared (the contract leaves them
+unspecified), the combine bitwise."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,6 +34,25 @@ def comm(gpu_comm):
   return gpu_comm
 
 
+def _compare(got, want, R, mt, what):
+  """Counts and handle equal, recv_x equal on the valid rows, combine equal."""
+  gx, gc, ge, go = got
+  wx, wc, we, wo = want
+  np.testing.assert_array_equal(np.asarray(gc), np.asarray(wc), err_msg=f"{what}: counts")
+  np.testing.assert_array_equal(np.asarray(ge), np.asarray(we), err_msg=f"{what}: src_entry")
+  counts = np.asarray(wc)                                    # [R, E_l]
+  valid = np.arange(R * mt)[None, None, :] < counts[:, :, None]
+  lg, lw = jax.tree.leaves(gx), jax.tree.leaves(wx)
+  assert len(lg) == len(lw), what
+  for j, (a, b) in enumerate(zip(lg, lw)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, j, a.shape, b.shape, a.dtype, b.dtype)
+    np.testing.assert_array_equal(bits(a)[valid], bits(b)[valid], err_msg=f"{what}: recv_x leaf {j}")
+  go, wo = np.asarray(go), np.asarray(wo)
+  assert go.dtype == wo.dtype, (what, go.dtype, wo.dtype)
+  np.testing.assert_array_equal(bits(go), bits(wo), err_msg=f"{what}: combine")
+
+
 @pytest.mark.parametrize("T,H,K,E,mt,fp8,split", [
     (128, 7168, 8, 256, 128, True, False),   # docs/design.md §6 low-latency shape
     (128, 7168, 8, 256, 128, False, True),
@@ -42,7 +60,10 @@ def comm(gpu_comm):
     (1, 128, 1, 8, 4, False, False),
     (0, 128, 2, 8, 4, False, False),
 ])
-def test_low_latency_cuda_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, split):
+def test_low_latency_auto_runs_the_kernels_and_equals_the_reference(comm, T, H, K, E, mt, fp8,
+                                                                    split):
+  """backend=None on CUDA with a Communicator: the program holds the kernels'
+  custom calls, and its results are the reference's."""
   R = comm.num_ranks
   rng = np.random.default_rng(T + H + K + E + mt + fp8 + 2 * split)
   idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
@@ -52,7 +73,7 @@ def test_low_latency_cuda_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, spl
 
   def per_rank(x, i, w, y):
     outs = []
-    for backend in ("cuda", "reference"):
+    for backend in (None, "reference"):
       kw = dict(num_experts=E, max_tokens=mt, fp8=fp8, backend=backend)
       if split:
         o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(x, i, **kw))
@@ -65,21 +86,22 @@ def test_low_latency_cuda_bitwise_equal_reference(comm, T, H, K, E, mt, fp8, spl
     return outs
 
   f = h.per_rank_jit(comm.mesh, per_rank)
-  got, want = jax.block_until_ready(f(*(h.put(comm.mesh, np.asarray(v)) for v in (x, idx, w, y))))
+  args = [h.put(comm.mesh, np.asarray(v)) for v in (x, idx, w, y)]
+  text = f.lower(*args).as_text()
+  names = ("jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
+           "jax_ep_ll_combine_recv") if split else ("jax_ep_ll_dispatch", "jax_ep_ll_combine")
+  for name in names:
+    assert f"@{name}(" in text or f'"{name}"' in text, name
+  got, want = jax.block_until_ready(f(*args))
   comm.check()
-  lg, lw = jax.tree.leaves(got), jax.tree.leaves(want)
-  assert len(lg) == len(lw)
-  for i, (a, b) in enumerate(zip(lg, lw)):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape, a.dtype, b.dtype)
-    np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"leaf {i}")
+  _compare(got, want, R, mt, "auto")
 
 
 def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1, split=False):
-  """`calls` kernel dispatch -> combine rounds in one program, fresh inputs
-  each, against the reference; returns nothing, asserts bitwise. split:
-  the send and receive halves as separate calls (*_start / *_done)."""
-  from jax_ep.ops import low_latency as ll
+  """`calls` dispatch -> combine rounds on the kernels (backend="cuda") in one
+  program, fresh inputs each, against the reference; returns nothing,
+  asserts bitwise. split: the send and receive halves as separate calls
+  (*_start / *_done)."""
   R = comm.num_ranks
   rng = np.random.default_rng(seed)
   xs, idxs, ws, ys = [], [], [], []
@@ -92,14 +114,16 @@ def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1, split=False):
   def per_rank(xs, idxs, ws, ys):
     outs = []
     for x, i, w, y in zip(xs, idxs, ws, ys):
-      kw = dict(num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0, reserved_bytes=LL_RESERVED)
+      kw = dict(num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0, reserved_bytes=LL_RESERVED,
+                backend="cuda")
+      ckw = dict(reserved_bytes=LL_RESERVED, backend="cuda")
       if split:
-        o = ll.kernel_dispatch_done(ll.kernel_dispatch_start(x, i, **kw))
-        out = ll.kernel_combine_done(ll.kernel_combine_start(y, i, w, o.handle,
-                                                             reserved_bytes=LL_RESERVED))
+        o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(x, i, **kw))
+        out = jax_ep.low_latency_combine_done(jax_ep.low_latency_combine_start(y, i, w, o.handle,
+                                                                               **ckw))
       else:
-        o = ll.kernel_dispatch(x, i, **kw)
-        out = ll.kernel_combine(y, i, w, o.handle, reserved_bytes=LL_RESERVED)
+        o = jax_ep.low_latency_dispatch(x, i, **kw)
+        out = jax_ep.low_latency_combine(y, i, w, o.handle, **ckw)
       r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, fp8=fp8, ue8m0=ue8m0,
                                       backend="reference")
       want = jax_ep.low_latency_combine(y, i, w, r.handle, backend="reference")
@@ -112,17 +136,7 @@ def _kernel_round(comm, T, H, K, E, mt, fp8, ue8m0, seed, calls=1, split=False):
   res = jax.block_until_ready(f(*args))
   comm.check()
   for c, (got, want) in enumerate(res):
-    gx, gc, ge, go = got
-    wx, wc, we, wo = want
-    np.testing.assert_array_equal(np.asarray(gc), np.asarray(wc), err_msg=f"call {c}: counts")
-    np.testing.assert_array_equal(np.asarray(ge), np.asarray(we), err_msg=f"call {c}: src_entry")
-    counts = np.asarray(wc)                                    # [R, E_l]
-    valid = np.arange(R * mt)[None, None, :] < counts[:, :, None]
-    for j, (a, b) in enumerate(zip(jax.tree.leaves(gx), jax.tree.leaves(wx))):
-      a, b = bits(np.asarray(a)), bits(np.asarray(b))
-      np.testing.assert_array_equal(a[valid], b[valid], err_msg=f"call {c}: recv_x leaf {j}")
-    np.testing.assert_array_equal(bits(np.asarray(go)), bits(np.asarray(wo)),
-                                  err_msg=f"call {c}: combine")
+    _compare(got, want, R, mt, f"call {c}")
 
 
 @pytest.mark.parametrize("T,H,K,E,mt,fp8,ue8m0", [
@@ -152,14 +166,13 @@ def test_low_latency_kernels_fp8_and_bf16_calls_share_the_area(comm):
 
 def test_low_latency_kernel_bad_expert_id_is_reported_and_next_call_works(comm):
   from jax_ep._checks import EpRuntimeError
-  from jax_ep.ops import low_latency as ll
   R, T, H, K, E, mt = comm.num_ranks, 16, 256, 2, 8, 16
   rng = np.random.default_rng(977)
   idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
   idx[R - 1, 3, 0] = E + 2
   x = rng.standard_normal((R, T, H)).astype(jnp.bfloat16)
-  f = h.per_rank_jit(comm.mesh, lambda x, i: ll.kernel_dispatch(
-      x, i, num_experts=E, max_tokens=mt, reserved_bytes=LL_RESERVED).recv_count)
+  f = h.per_rank_jit(comm.mesh, lambda x, i: jax_ep.low_latency_dispatch(
+      x, i, num_experts=E, max_tokens=mt, reserved_bytes=LL_RESERVED, backend="cuda").recv_count)
   jax.block_until_ready(f(h.put(comm.mesh, x), h.put(comm.mesh, idx)))
   with pytest.raises(EpRuntimeError, match="expert id"):
     comm.check()
@@ -184,7 +197,7 @@ def test_low_latency_kernels_split_into_send_and_receive(comm, fp8):
 @pytest.mark.parametrize("cmdbuf", [False, True], ids=["plain", "command_buffers"])
 def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(comm, cmdbuf,
                                                                                split):
-  """A jitted fori_loop of kernel dispatch -> combine (8 steps) in a fresh
+  """A jitted fori_loop of dispatch -> combine on the kernels (8 steps) in a fresh
   process, with XLA's command buffers on for custom calls or off: bitwise
   the reference loop; prints the time per step of each."""
   out = h.run_worker("gpu_ll_cmdbuf_worker.py", command_buffers=cmdbuf,

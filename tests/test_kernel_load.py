@@ -55,5 +55,5 @@ def test_comm_loads_every_list():
   body = re.search(r"LoadCommKernels\(\)\s*\{(.*?)\n\}", header, re.S).group(1)
   assert sorted(re.findall(r"Load\w+Kernels", body)) == sorted(FILES.values())
   comm = (KERNELS.parent / "comm.cc").read_text()
-  loopback = (KERNELS.parent / "handlers" / "loopback.cc").read_text()
+  loopback = (KERNELS.parent / "testing" / "loopback.cc").read_text()
   assert "LoadCommKernels()" in comm and "LoadCommKernels()" in loopback

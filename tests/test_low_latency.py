@@ -247,17 +247,14 @@ def test_ll_handle_src_entry_and_recv_count_equal_the_oracle(R, T, K, E, mt):
 
 
 def test_the_kernels_take_max_tokens_up_to_their_16_bit_counts():
-    """ffi/kernels/low_latency.cuh kLlMaxTokens: above it `backend="cuda"`
-    falls back to the ops over the normal kernels, and the kernels' own entry
-    point says why at trace time."""
+    """ffi/kernels/low_latency.cuh kLlMaxTokens: above it the automatic
+    choice runs the reference and backend="cuda" says why at trace time."""
     import jax.numpy as jnp
     from jax_ep import _ffi_low_latency as ffi_ll
     from jax_ep.ops import low_latency as ll
     assert ffi_ll.MAX_TOKENS == 0xFFFF
     assert ffi_ll.kernels_take(jnp.bfloat16, 128, False, 8, ffi_ll.MAX_TOKENS)
     assert not ffi_ll.kernels_take(jnp.bfloat16, 128, False, 8, ffi_ll.MAX_TOKENS + 1)
-    x = jnp.zeros((4, 128), jnp.bfloat16)
-    i = jnp.zeros((4, 2), jnp.int32)
-    with pytest.raises(ValueError, match="max_tokens <= 65535"):
-        ll._check_kernel_inputs(x, i, False, ffi_ll.MAX_TOKENS + 1)
-    ll._check_kernel_inputs(x, i, False, ffi_ll.MAX_TOKENS)
+    assert "max_tokens <= 65535" in ll._kernel_refusal(jnp.bfloat16, 128, False, 8,
+                                                       ffi_ll.MAX_TOKENS + 1)
+    assert ll._kernel_refusal(jnp.bfloat16, 128, False, 8, ffi_ll.MAX_TOKENS) is None

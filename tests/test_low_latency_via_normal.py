@@ -1,8 +1,7 @@
-"""The low-latency ops rebuilt from the normal ops (jax_ep/ops/_low_latency_normal,
-what backend="cuda" runs over the CUDA kernels) equal the low-latency reference
-bit for bit: dispatch grid, counts, handle and combine. Here the inner normal
-ops run the reference backend, so this checks the composition itself; the
-normal CUDA kernels are checked against the normal reference on GPU."""
+"""The low-latency ops rebuilt from the normal ops (tests/ll_via_normal.py, an
+extra oracle) equal the low-latency reference bit for bit: dispatch grid,
+counts, handle and combine. The inner normal ops run the reference backend,
+so two independent derivations of the contract are compared."""
 from __future__ import annotations
 
 import jax
@@ -12,7 +11,7 @@ import pytest
 import jax_ep
 import oracle
 from conftest import run_sharded
-from jax_ep.ops import _low_latency_normal as via
+import ll_via_normal as via
 from oracle import BF16, F32, bits
 
 CASES = [

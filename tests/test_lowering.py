@@ -73,7 +73,8 @@ def test_probe_lowers_to_custom_call_with_per_shard_shape():
     mesh = _mesh(R)
 
     def per_rank(x):
-        return _ffi.probe_all_to_all_cuda(x.reshape(R, n), comm_id=COMM_ID).reshape(1, R * n)
+        from comm_probe import probe_all_to_all_cuda
+        return probe_all_to_all_cuda(x.reshape(R, n), comm_id=COMM_ID).reshape(1, R * n)
 
     text = _export_text(_smap(per_rank, mesh), jax.ShapeDtypeStruct((R, R * n), jnp.bfloat16))
     calls = _custom_calls(text, "jax_ep_probe_all_to_all")
@@ -253,97 +254,136 @@ def test_published_tables_lower_to_one_publish_each_and_fetches_that_take_its_to
     assert sum(t in fc.split("(", 1)[1] for t in tokens) == 1, fc
 
 
+class _LlComm:
+    comm_id = COMM_ID
+    num_bytes = 1 << 30
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-def test_low_latency_kernels_lower_to_one_call_each_with_their_shapes(monkeypatch, fp8):
-  """kernel_dispatch -> kernel_combine in one step: one custom call each, the
-  grid shapes of the contract, the combine fed the dispatch's handle."""
-  import jax_ep
-  from jax_ep.ops import _backend, low_latency as ll
+def test_low_latency_ops_lower_to_one_kernel_call_each_with_their_shapes(monkeypatch, fp8):
+    """low_latency_dispatch -> low_latency_combine (backend="cuda") in one
+    step: one custom call each, the grid shapes of the contract, the combine
+    fed the dispatch's handle."""
+    import jax_ep
+    from jax_ep.ops import _backend
 
-  class _Comm:
-    comm_id = COMM_ID
+    monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _LlComm())
+    R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
+    mesh = _mesh(R)
 
-  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
-  R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
-  mesh = _mesh(R)
+    def per_rank(x, idx, w):
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens=M, fp8=fp8,
+                                        backend="cuda")
+        y = (o.recv_x[0].astype(jnp.float32) * o.recv_x[1][..., :1] if fp8 else o.recv_x)
+        return jax_ep.low_latency_combine(y.astype(jnp.bfloat16), idx, w, o.handle,
+                                          backend="cuda")
 
-  def per_rank(x, idx, w):
-    o = ll.kernel_dispatch(x, idx, num_experts=E, max_tokens=M, fp8=fp8)
-    y = (o.recv_x[0].astype(jnp.float32) * o.recv_x[1][..., :1] if fp8 else o.recv_x)
-    return ll.kernel_combine(y.astype(jnp.bfloat16), idx, w, o.handle)
-
-  f = _smap(per_rank, mesh)
-  text = _export_text(f, jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
-                      jax.ShapeDtypeStruct((R * T, K), jnp.int32),
-                      jax.ShapeDtypeStruct((R * T, K), jnp.float32))
-  d = _custom_calls(text, "jax_ep_ll_dispatch")
-  c = _custom_calls(text, "jax_ep_ll_combine")
-  assert len(d) == 1 and len(c) == 1, text
-  elt = "f8E4M3FN" if fp8 else "bf16"
-  assert f"tensor<{E // R}x{R * M}x{H}x{elt}>" in d[0], d[0]
-  assert f"tensor<{E // R}x{R * M}xi32>" in d[0] and re.search(rf"comm_id = {COMM_ID} : i64", d[0])
-  assert f"fp8 = {int(fp8)} : i32" in d[0] and f"max_tokens = {M} : i32" in d[0], d[0]
-  assert f"tensor<{T}x{H}xbf16>" in c[0], c[0]
+    f = _smap(per_rank, mesh)
+    text = _export_text(f, jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((R * T, K), jnp.int32),
+                        jax.ShapeDtypeStruct((R * T, K), jnp.float32))
+    d = _custom_calls(text, "jax_ep_ll_dispatch")
+    c = _custom_calls(text, "jax_ep_ll_combine")
+    assert len(d) == 1 and len(c) == 1, text
+    elt = "f8E4M3FN" if fp8 else "bf16"
+    assert f"tensor<{E // R}x{R * M}x{H}x{elt}>" in d[0], d[0]
+    assert f"tensor<{E // R}x{R * M}xi32>" in d[0] and re.search(rf"comm_id = {COMM_ID} : i64", d[0])
+    assert f"fp8 = {int(fp8)} : i32" in d[0] and f"max_tokens = {M} : i32" in d[0], d[0]
+    assert f"tensor<{T}x{H}xbf16>" in c[0], c[0]
 
 
-def test_low_latency_kernels_refuse_inputs_they_cannot_take(monkeypatch):
-  from jax_ep.ops import _backend, low_latency as ll
+def test_low_latency_options_reach_the_kernels_as_attributes(monkeypatch):
+    import jax_ep
+    from jax_ep.ops import _backend
 
-  class _Comm:
-    comm_id = COMM_ID
+    monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _LlComm())
+    R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
+    kw = dict(reserved_bytes=12345 << 8, num_sms=7, backend="cuda")
 
-  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
-  mesh = _mesh(2)
-  f = _smap(lambda x, i: ll.kernel_dispatch(x, i, num_experts=8, max_tokens=4).recv_count, mesh)
-  with pytest.raises(ValueError, match="bf16"):
-    jax.jit(f).lower(jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                     jax.ShapeDtypeStruct((8, 2), jnp.int32))
+    def per_rank(x, idx, w):
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens=M, **kw)
+        return jax_ep.low_latency_combine(o.recv_x, idx, w, o.handle, **kw)
+
+    text = _export_text(_smap(per_rank, _mesh(R)), jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((R * T, K), jnp.int32),
+                        jax.ShapeDtypeStruct((R * T, K), jnp.float32))
+    for target in ("jax_ep_ll_dispatch", "jax_ep_ll_combine"):
+        (call,) = _custom_calls(text, target)
+        assert f"reserved_bytes = {12345 << 8} : i64" in call and "num_sms = 7 : i32" in call, call
+
+
+def test_low_latency_cuda_refuses_inputs_the_kernels_cannot_take(monkeypatch):
+    import jax_ep
+    from jax_ep.ops import _backend
+
+    monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _LlComm())
+    mesh = _mesh(2)
+    f = _smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, num_experts=8, max_tokens=4,
+                                                       backend="cuda").recv_count, mesh)
+    with pytest.raises(ValueError, match="bf16"):
+        jax.jit(f).lower(jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                         jax.ShapeDtypeStruct((8, 2), jnp.int32))
+
+
+def test_low_latency_cuda_refuses_a_window_too_small_at_trace_time(monkeypatch):
+    import jax_ep
+    from jax_ep.ops import _backend
+
+    class _Small(_LlComm):
+        num_bytes = 1 << 21
+
+    monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Small())
+    mesh = _mesh(2)
+    f = _smap(lambda x, i: jax_ep.low_latency_dispatch(x, i, num_experts=16, max_tokens=128,
+                                                       backend="cuda").recv_count, mesh)
+    with pytest.raises(ValueError, match="window bytes"):
+        jax.jit(f).lower(jax.ShapeDtypeStruct((256, 7168), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((256, 8), jnp.int32))
 
 
 LL_TARGETS = ("jax_ep_ll_dispatch", "jax_ep_ll_combine", "jax_ep_ll_dispatch_send",
               "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
 
 
+@pytest.mark.parametrize("backend", ["cuda", None])
 @pytest.mark.parametrize("split", [False, True])
-def test_public_low_latency_ops_lower_to_the_kernels_once_validated(monkeypatch, split):
-  """With _KERNELS_VALIDATED on, backend="cuda" lowers the fused ops to one
-  kernel call each and *_start / *_done to a send and a receive call, the
-  receive taking the send's token."""
-  import jax_ep
-  from jax_ep.ops import _backend, low_latency as ll
+def test_public_low_latency_ops_lower_to_the_kernels(monkeypatch, split, backend):
+    """backend="cuda", and the automatic choice lowered for CUDA, lower the
+    fused ops to one kernel call each and *_start / *_done to a send and a
+    receive call, the receive taking the send's token."""
+    import jax_ep
+    from jax_ep.ops import _backend
 
-  class _Comm:
-    comm_id = COMM_ID
+    monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _LlComm())
+    R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
+    mesh = _mesh(R)
 
-  monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
-  monkeypatch.setattr(ll, "_KERNELS_VALIDATED", True)
-  R, T, H, K, E, M = 2, 8, 256, 4, 16, 8
-  mesh = _mesh(R)
+    def per_rank(x, idx, w):
+        kw = dict(num_experts=E, max_tokens=M, backend=backend)
+        if split:
+            o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(x, idx, **kw))
+            return jax_ep.low_latency_combine_done(
+                jax_ep.low_latency_combine_start(o.recv_x, idx, w, o.handle, backend=backend))
+        o = jax_ep.low_latency_dispatch(x, idx, **kw)
+        return jax_ep.low_latency_combine(o.recv_x, idx, w, o.handle, backend=backend)
 
-  def per_rank(x, idx, w):
-    kw = dict(num_experts=E, max_tokens=M, backend="cuda")
-    if split:
-      o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(x, idx, **kw))
-      return jax_ep.low_latency_combine_done(
-          jax_ep.low_latency_combine_start(o.recv_x, idx, w, o.handle, backend="cuda"))
-    o = jax_ep.low_latency_dispatch(x, idx, **kw)
-    return jax_ep.low_latency_combine(o.recv_x, idx, w, o.handle, backend="cuda")
-
-  text = _export_text(_smap(per_rank, mesh), jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
-                      jax.ShapeDtypeStruct((R * T, K), jnp.int32),
-                      jax.ShapeDtypeStruct((R * T, K), jnp.float32))
-  counts = {t: len(_custom_calls(text, t)) for t in LL_TARGETS}
-  if not split:
-    assert counts == {**{t: 0 for t in LL_TARGETS}, "jax_ep_ll_dispatch": 1,
-                      "jax_ep_ll_combine": 1}, counts
-    return
-  assert counts == {**{t: 1 for t in LL_TARGETS}, "jax_ep_ll_dispatch": 0,
-                    "jax_ep_ll_combine": 0}, counts
-  for op in ("dispatch", "combine"):
-    send = _custom_calls(text, f"jax_ep_ll_{op}_send")[0]
-    recv = _custom_calls(text, f"jax_ep_ll_{op}_recv")[0]
-    token = re.match(r"\s*(%\S+)", send).group(1)
-    assert token in recv.split("(", 1)[1], (send, recv)
+    text = _export_text(_smap(per_rank, mesh), jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((R * T, K), jnp.int32),
+                        jax.ShapeDtypeStruct((R * T, K), jnp.float32))
+    counts = {t: len(_custom_calls(text, t)) for t in LL_TARGETS}
+    if not split:
+        assert counts == {**{t: 0 for t in LL_TARGETS}, "jax_ep_ll_dispatch": 1,
+                          "jax_ep_ll_combine": 1}, counts
+        return
+    assert counts == {**{t: 1 for t in LL_TARGETS}, "jax_ep_ll_dispatch": 0,
+                      "jax_ep_ll_combine": 0}, counts
+    if backend is None:
+        return  # the choice's branches are functions of their own: no one SSA name to follow
+    for op in ("dispatch", "combine"):
+        send = _custom_calls(text, f"jax_ep_ll_{op}_send")[0]
+        recv = _custom_calls(text, f"jax_ep_ll_{op}_recv")[0]
+        token = re.match(r"\s*(%\S+)", send).group(1)
+        assert token in recv.split("(", 1)[1], (send, recv)
 
 
 def test_a_second_communicator_on_an_axis_is_an_error_unless_replace(monkeypatch):

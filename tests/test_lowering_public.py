@@ -208,3 +208,86 @@ def test_engram_table_gradient_lowers_to_the_ordered_sum_kernel_for_cuda(fake_co
                     ENGRAM_TARGETS + ("jax_ep_engram_grad",))
   assert 'jax_ep_engram_grad"' in text or "@jax_ep_engram_grad(" in text
   assert "scatter" not in text, "the kernels' path still scatters"
+
+
+LL_TARGETS = ("jax_ep_ll_dispatch", "jax_ep_ll_combine", "jax_ep_ll_dispatch_send",
+              "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
+
+
+def _ll_step(split: bool, E: int = 16, M: int = 8, fp8: bool = False):
+  def per_rank(x, idx, w):
+    kw = dict(num_experts=E, max_tokens=M, fp8=fp8)
+    if split:
+      o = jax_ep.low_latency_dispatch_done(jax_ep.low_latency_dispatch_start(x, idx, **kw))
+      y = o.recv_x[0].astype(jnp.bfloat16) if fp8 else o.recv_x
+      return jax_ep.low_latency_combine_done(jax_ep.low_latency_combine_start(y, idx, w, o.handle))
+    o = jax_ep.low_latency_dispatch(x, idx, **kw)
+    y = o.recv_x[0].astype(jnp.bfloat16) if fp8 else o.recv_x
+    return jax_ep.low_latency_combine(y, idx, w, o.handle)
+  return per_rank
+
+
+def _ll_targets(platform: str, split: bool, fp8: bool = False) -> set:
+  R, T, H, K = 2, 8, 256, 4
+  mesh = _mesh2()
+  f = jax_ep.shard_map(_ll_step(split, fp8=fp8), mesh)
+  args = (jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16), jax.ShapeDtypeStruct((R * T, K), jnp.int32),
+          jax.ShapeDtypeStruct((R * T, K), jnp.float32))
+  if platform == "cpu":
+    text = jax.jit(f).lower(*args).as_text()
+  else:
+    text = _cuda_text(f, args, LL_TARGETS)
+  return {t for t in LL_TARGETS if t + '"' in text or "@" + t + "(" in text}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_low_latency_auto_picks_the_kernels_for_cuda(fake_comm, split, fp8):
+  want = ({"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
+           "jax_ep_ll_combine_recv"} if split else {"jax_ep_ll_dispatch", "jax_ep_ll_combine"})
+  assert _ll_targets("cuda", split, fp8) == want
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="lowers for this machine's platform")
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_low_latency_auto_lowers_to_the_reference_for_cpu(fake_comm, split):
+  assert _ll_targets("cpu", split) == set()
+
+
+def test_low_latency_auto_falls_back_where_the_kernels_cannot_run(small_fake_comm):
+  # (Decided at trace time, as for Engram: the choice itself is checked.)
+  from jax_ep.ops import low_latency as ll
+  _mesh2()
+
+  def choose(backend=None, *, dtype=jnp.bfloat16, hidden=256, fp8=False, topk=4, E=16, M=8,
+             reserved=0):
+    def per_rank(x):
+      per_rank.kind = ll._choose(backend, "ep", dtype=dtype, hidden=hidden, fp8=fp8, topk=topk,
+                                 num_experts=E, max_tokens=M, reserved_bytes=reserved)
+      return x
+    jax.jit(jax_ep.shard_map(per_rank, _mesh2())).lower(jax.ShapeDtypeStruct((2, 1), jnp.float32))
+    return per_rank.kind
+
+  assert choose() == "auto"
+  assert choose(dtype=jnp.float32) == "reference"        # the kernels take bf16 only
+  assert choose(hidden=260) == "reference"               # H a multiple of 8
+  assert choose(fp8=True, hidden=192) == "reference"     # 128 with FP8
+  assert choose(topk=33, E=64) == "reference"            # K <= 32
+  assert choose(M=1 << 16) == "reference"                # 16-bit row counts
+  assert choose(hidden=7168, E=256, M=128) == "reference"  # the 1 MiB window is too small
+  assert choose(reserved=1 << 20) == "reference"         # no room above reserved_bytes
+  assert choose("reference") == "reference"
+  assert choose("cuda") == "cuda"
+  comm = _FakeComm(num_bytes=1 << 20)
+  comm.info = lambda: [dict(rank=0, gin_mask=0b10)]                  # a peer reached by GIN
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(_backend, "cuda_comm", lambda axis_name: comm)
+    assert choose() == "reference"
+    assert choose("cuda") == "cuda"                      # the handler says why at run time
+    comm.info = lambda: [dict(rank=0, gin_mask=0)]
+    assert choose() == "auto"
+  with pytest.raises(ValueError, match="bf16"):
+    choose("cuda", dtype=jnp.float32)
+  with pytest.raises(ValueError, match="window bytes"):
+    choose("cuda", hidden=7168, E=256, M=128)
+

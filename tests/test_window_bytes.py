@@ -76,3 +76,24 @@ def test_the_low_latency_max_tokens_is_the_native_one():
   """The count words' 16 bits of rows (low_latency.cuh kLlMaxTokens)."""
   from jax_ep import _ffi_low_latency
   assert _ffi_low_latency.MAX_TOKENS == _native.module().ll_max_tokens
+
+
+def test_the_module_registers_exactly_the_listed_targets():
+  """_native.TARGETS (and TESTING_TARGETS, in a build with the test harness)
+  name every FFI target the module registers, and only those."""
+  m = _native.module()
+  want = set(_native.TARGETS) | (set(_native.TESTING_TARGETS) if _native.testing_built() else set())
+  assert set(m.registrations()) == want
+  assert not set(_native.TARGETS) & set(_native.TESTING_TARGETS)
+  assert _native.COMMAND_BUFFER_TARGETS <= set(_native.TARGETS)
+
+
+def test_the_test_harness_is_in_the_module_only_when_built_with_it():
+  """JAX_EP_TESTING=ON (CMakeLists.txt) adds the virtual ranks and the device
+  timers; without it the module has none of them."""
+  m = _native.module()
+  names = ("loopback_create", "loopback_run", "loopback_peek", "loopback_destroy",
+           "time_d2d_memcpy", "mem_get_info")
+  have = {n for n in names if hasattr(m, n)}
+  assert have == (set(names) if _native.testing_built() else set()), have
+  assert m.build_info["testing_built"] == _native.testing_built()

@@ -1,6 +1,8 @@
 // nanobind surface of the CUDA build: communicator lifetime, the FFI handler
 // and state-type capsules, and small diagnostics. The shared instantiate stage
 // and the common execute-time checks live here too, next to the registration.
+// What only tests and benchmarks use (virtual ranks, the probe, device
+// timers) is in ffi/testing/ and exists only with JAX_EP_TESTING=ON.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -18,14 +20,15 @@
 #include "kernels/gin.cuh"
 #include "kernels/engram_layout.h"
 #include "kernels/grouped_gemm.h"
-#include <algorithm>
 #include "kernels/low_latency.cuh"
 #include "kernels/window_layout.h"
 
 namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchLayoutExecute);
+#ifdef JAX_EP_TESTING
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpProbeAllToAllExecute);
+#endif
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpDispatchExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpCombineExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpEngramPublishExecute);
@@ -104,8 +107,8 @@ ffi::Error AcquireDevice(CommState* state, int64_t comm_id, int32_t device_ordin
   if (pending != 0) comm->HoldStatus(*dev);
   // Ops whose kernels reach every peer through its LSA pointer, which a GIN
   // peer does not have, are refused rather than let write through a null
-  // one. Normal dispatch / combine (and so the low-latency ops built on
-  // them) branch on EpPeers::gin_mask wherever they touch a peer.
+  // one. Normal dispatch / combine branch on EpPeers::gin_mask wherever
+  // they touch a peer.
   if (dev->gin_mask != 0 && !gin_data_path) {
     std::string peers;
     for (int j = 0; j < dev->nranks; ++j) {
@@ -157,7 +160,9 @@ jax_ep::GroupSpec MakeGroup(const nb::bytes& unique_id, int nranks, std::vector<
 
 }  // namespace
 
-void RegisterLoopbackBindings(nb::module_& m);  // handlers/loopback.cc (tests)
+#ifdef JAX_EP_TESTING
+void RegisterTestingBindings(nb::module_& m);  // testing/bindings.cc
+#endif
 
 void RegisterCudaBindings(nb::module_& m) {
   m.def(
@@ -287,68 +292,15 @@ void RegisterCudaBindings(nb::module_& m) {
   m.def("is_fatal_status", &jax_ep::IsFatalStatus, nb::arg("code"),
         "True when the next op after this status code is refused (comm.h IsFatalStatus); for tests.");
 
-  m.def(
-      "time_d2d_memcpy",
-      [](int device_ordinal, size_t bytes, int iters) {
-        // The baseline engram_publish is held to: a device-to-device
-        // cudaMemcpyAsync of the same bytes, median of `iters` (CUDA events).
-        int prev = 0;
-        cudaGetDevice(&prev);
-        auto check = [&](cudaError_t e) {
-          if (e != cudaSuccess) {
-            cudaSetDevice(prev);
-            throw std::runtime_error(cudaGetErrorString(e));
-          }
-        };
-        check(cudaSetDevice(device_ordinal));
-        void *src = nullptr, *dst = nullptr;
-        check(cudaMalloc(&src, bytes));
-        check(cudaMalloc(&dst, bytes));
-        cudaEvent_t e0, e1;
-        check(cudaEventCreate(&e0));
-        check(cudaEventCreate(&e1));
-        std::vector<float> ms;
-        for (int i = 0; i < iters + 2; ++i) {
-          check(cudaEventRecord(e0));
-          check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice));
-          check(cudaEventRecord(e1));
-          check(cudaEventSynchronize(e1));
-          float t = 0;
-          check(cudaEventElapsedTime(&t, e0, e1));
-          if (i >= 2) ms.push_back(t);  // two warm-up copies
-        }
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        cudaFree(src);
-        cudaFree(dst);
-        cudaSetDevice(prev);
-        std::sort(ms.begin(), ms.end());
-        return ms.empty() ? 0.0 : 1e3 * ms[ms.size() / 2];
-      },
-      nb::arg("device_ordinal"), nb::arg("bytes"), nb::arg("iters") = 20,
-      "Median microseconds of one device-to-device cudaMemcpyAsync of `bytes`.");
-
   m.def("nccl_version", [] { return jax_ep::NcclVersions(); },
         "(NCCL_VERSION_CODE compiled against, ncclGetVersion() loaded)");
-
-  m.def(
-      "mem_get_info",
-      [](int device_ordinal) {
-        int prev = 0;
-        cudaGetDevice(&prev);
-        size_t free_b = 0, total_b = 0;
-        cudaError_t err = cudaSetDevice(device_ordinal);
-        if (err == cudaSuccess) err = cudaMemGetInfo(&free_b, &total_b);
-        cudaSetDevice(prev);
-        if (err != cudaSuccess) throw std::runtime_error(cudaGetErrorString(err));
-        return std::make_pair(free_b, total_b);
-      },
-      nb::arg("device_ordinal"), "(free, total) bytes from cudaMemGetInfo.");
 
   m.def("registrations", [] {
     nb::dict d;
     d["jax_ep_dispatch_layout"] = Bundle(JaxEpDispatchLayoutExecute);
+#ifdef JAX_EP_TESTING
     d["jax_ep_probe_all_to_all"] = Bundle(JaxEpProbeAllToAllExecute);
+#endif
     d["jax_ep_dispatch"] = Bundle(JaxEpDispatchExecute);
     d["jax_ep_combine"] = Bundle(JaxEpCombineExecute);
     d["jax_ep_engram_publish"] = Bundle(JaxEpEngramPublishExecute);
@@ -442,5 +394,7 @@ void RegisterCudaBindings(nb::module_& m) {
   m.attr("chunks_per_source") = jax_ep::kChunksPerSource;
   m.attr("max_ranks") = jax_ep::kMaxRanks;
   m.attr("ll_max_tokens") = jax_ep::kLlMaxTokens;
-  RegisterLoopbackBindings(m);
+#ifdef JAX_EP_TESTING
+  RegisterTestingBindings(m);
+#endif
 }

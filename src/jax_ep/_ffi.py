@@ -71,23 +71,6 @@ def layout_cuda(topk_idx: Array, *, num_experts: int, num_ranks: int,
       num_ranks=np.int32(num_ranks)))
 
 
-def probe_all_to_all_cuda(x: Array, *, comm_id: int) -> Array:
-  """out[s] = x_s[this rank]: `lax.all_to_all(x, axis, 0, 0)` through the
-  communicator's symmetric window and LSA barriers.
-
-  Args:
-    x: [R, ...] any dtype; row j goes to rank j.
-  Returns:
-    [R, ...] like x; row s came from rank s.
-  """
-  if x.ndim < 1:
-    raise ValueError("x must have a leading axis of size num_ranks")
-  # Every rank must make the same sequence of calls, so a batch under vmap
-  # must stay a sequence of whole exchanges.
-  return _call("jax_ep_probe_all_to_all", jax.ShapeDtypeStruct(x.shape, x.dtype))(
-      x, comm_id=np.int64(comm_id))
-
-
 # Must match GgKind in ffi/kernels/grouped_gemm.h.
 GG_FORWARD, GG_TRANS_W, GG_WEIGHT_GRAD, GG_FORWARD_FP8, GG_WEIGHT_GRAD_FP8 = 0, 1, 2, 3, 4
 

@@ -25,13 +25,16 @@ WINDOW_HEADER_BYTES = 4096
 MAX_RANKS = 8
 CHUNKS_PER_SOURCE = 4096
 
-TARGETS = ("jax_ep_dispatch_layout", "jax_ep_probe_all_to_all", "jax_ep_dispatch",
-           "jax_ep_combine", "jax_ep_engram_publish", "jax_ep_engram_fetch",
-           "jax_ep_engram_publish_fetch", "jax_ep_engram_grad", "jax_ep_grouped_gemm",
-           "jax_ep_grouped_gemm_fp8", "jax_ep_fp8_cast_weights", "jax_ep_fp8_cast_tokens",
-           "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send",
-           "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine", "jax_ep_ll_combine_send",
-           "jax_ep_ll_combine_recv")
+# The FFI targets of a CUDA build (the module's `registrations()`), and those
+# only a build with the test harness adds (JAX_EP_TESTING=ON, CMakeLists.txt);
+# tests/test_window_bytes.py compares them with the module.
+TARGETS = ("jax_ep_dispatch_layout", "jax_ep_dispatch", "jax_ep_combine", "jax_ep_side_done",
+           "jax_ep_engram_publish", "jax_ep_engram_fetch", "jax_ep_engram_publish_fetch",
+           "jax_ep_engram_grad", "jax_ep_grouped_gemm", "jax_ep_grouped_gemm_fp8",
+           "jax_ep_fp8_cast_weights", "jax_ep_fp8_cast_tokens",
+           "jax_ep_ll_dispatch", "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv",
+           "jax_ep_ll_combine", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
+TESTING_TARGETS = ("jax_ep_probe_all_to_all",)
 
 
 COMMAND_BUFFER_TARGETS = frozenset({
@@ -78,6 +81,14 @@ def cuda_built() -> bool:
   """jax_ep was compiled with its CUDA kernels (nvcc and NCCL were found)."""
   m = _module()
   return bool(m is not None and getattr(m, "cuda_built", False))
+
+
+def testing_built() -> bool:
+  """The module holds the test harness (virtual ranks, the probe, device
+  timers): a CUDA build with JAX_EP_TESTING=ON, as CI and
+  scripts/gpu_check.sh make; a plain pip install has none."""
+  m = _module()
+  return bool(cuda_built() and getattr(m, "testing_built", False))
 
 
 def build_info() -> dict:

@@ -52,12 +52,13 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   Normal mode: exactly what the dispatch/combine kernels lay out
   (`_ffi_dispatch.window_bytes_needed`, the mirror of
   ffi/kernels/window_layout.h). Low-latency mode (tokens_per_rank =
-  max_tokens): the larger of what the dedicated kernels lay out
+  max_tokens): what the low-latency kernels lay out
   (`_ffi_low_latency.window_bytes_needed`, the mirror of
   ffi/kernels/low_latency.cuh: two buffers of [E_l, R, max_tokens] rows and
-  the combine's [max_tokens, K] rows) and what the composition over the
-  normal kernels needs (the normal-mode hint for the same config). Rounded
-  up to NCCL's 2 MiB granule; includes the 4 KiB runtime header.
+  the combine's [max_tokens, K] rows); a program that also runs the normal
+  ops passes their need as the low-latency ops' `reserved_bytes` and adds
+  the two. Rounded up to NCCL's 2 MiB granule; includes the 4 KiB runtime
+  header.
 
   engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
   will be published side by side (engram_publish(..., above=...)) in the
@@ -81,11 +82,7 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   if low_latency:
     from jax_ep._ffi_low_latency import window_bytes_needed as ll_kernel_bytes
     kernels = ll_kernel_bytes(num_ranks=r, max_tokens=t, hidden=h, topk=k, num_experts=e)
-    # The composition (ops/_low_latency_normal.py) runs the normal kernels on
-    # at most max_tokens tokens: their need, below.
-    via_normal = get_buffer_size_hint(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k,
-                                      num_experts=e, dtype_bytes=dtype_bytes)
-    return _round_up(max(via_normal, kernels), _GRANULE)
+    return _round_up(kernels, _GRANULE)
   from jax_ep._ffi_dispatch import window_bytes_needed
   need = window_bytes_needed(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
                              x_bytes=dtype_bytes, y_bytes=out_bytes)

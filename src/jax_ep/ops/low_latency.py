@@ -2,17 +2,20 @@
 buffers, fused or split into *_start / *_done so XLA can place compute
 between the send and the receive. Split and fused give identical results.
 
-Backends: the reference by default (None / "auto" / "reference");
-backend="cuda" runs them over the normal CUDA kernels (_low_latency_normal:
-bitwise the reference, not yet DeepEP-class latency). That path does all its
-work in *_start, so it leaves XLA nothing to overlap.
-
-The dedicated kernels (one kernel per fused op, or a send and a receive
-kernel for *_start / *_done; rows stored straight into the owners' windows:
-docs/low_latency.md) are reached through `kernel_dispatch` /
-`kernel_combine` and their `_start` / `_done` halves; they become the CUDA
-path once a GPU run has checked them against the reference
-(`_KERNELS_VALIDATED`).
+Backends, chosen once per call by `_choose`:
+  "cuda": the dedicated kernels (one kernel per fused op; a send and a
+    receive kernel for *_start / *_done; rows stored straight into the
+    owners' windows: docs/low_latency.md). They take bf16 x / y, H a
+    multiple of 8 (128 with FP8), 1 <= K <= 32 and max_tokens <= 65535;
+    anything else is a ValueError at trace time.
+  None / "auto": the kernels on the CUDA platform where they can run (a
+    Communicator for the axis whose peers are all NVLink (LSA) peers, an
+    input they take, a window that holds their area above
+    `reserved_bytes`), the pure-JAX reference otherwise.
+  "reference": the reference.
+Rows of recv_x at or past recv_count are unspecified on the kernels (they
+never write them) and zero in the reference: compare or consume the valid
+rows only.
 """
 from __future__ import annotations
 
@@ -21,67 +24,30 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import reference as ref
-from jax_ep._checks import check_positive, check_routing, check_x
+from jax_ep._checks import check_positive, check_routing, check_sms, check_x
 from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle, Pending
 from jax_ep.ops import _backend
-from jax_ep.ops import _low_latency_normal as _via_normal
-
-# The dedicated kernels pass their GPU tests at EP1 and on virtual ranks, but
-# their cross-GPU protocol has not run over NVLink (docs/low_latency.md):
-# backend="cuda" keeps the composition over the normal kernels until it has.
-_KERNELS_VALIDATED = False
 
 
-def kernel_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, max_tokens: int,
-                    axis_name: str = "ep", fp8: bool = False, ue8m0: bool = False,
-                    reserved_bytes: int = 0, num_sms: int = 0) -> LowLatencyDispatchOutput:
-  """low_latency_dispatch on the dedicated kernels (bf16 x; rows past a
-  count are left unwritten). Needs a Communicator for `axis_name`."""
-  from jax_ep import _ffi_low_latency as ffi_ll
-  _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, "cuda")
-  _check_kernel_inputs(x, topk_idx, fp8, max_tokens)
-  num_ranks = ref.axis_size(axis_name)
-
-  def cuda(comm):
-    return lambda a, i: ffi_ll.dispatch_cuda(
-        a, i, num_experts=num_experts, max_tokens=max_tokens, num_ranks=num_ranks,
-        comm_id=comm.comm_id, fp8=fp8, ue8m0=ue8m0, reserved_bytes=reserved_bytes,
-        num_sms=num_sms)
-
-  recv, counts, src_entry = _backend.run("cuda", axis_name, None, cuda, x,
-                                         topk_idx.astype(jnp.int32))
-  handle = LowLatencyHandle(src_entry=src_entry, recv_count=counts, max_tokens=max_tokens,
-                            num_experts=num_experts)
-  return LowLatencyDispatchOutput(recv, counts, handle)
-
-
-def kernel_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                   handle: LowLatencyHandle, *, axis_name: str = "ep", reserved_bytes: int = 0,
-                   num_sms: int = 0) -> jax.Array:
-  """low_latency_combine on the dedicated kernel (bf16 y)."""
-  from jax_ep import _ffi_low_latency as ffi_ll
-  _check_combine(y, topk_idx, topk_weights, handle, axis_name, "cuda")
-  _check_combine_kernel_input(y)
-
-  def cuda(comm):
-    return lambda yy, e, c, i, w: ffi_ll.combine_cuda(
-        yy, e, c, i, w, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
-        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=num_sms)
-
-  return _backend.run("cuda", axis_name, None, cuda, y, handle.src_entry, handle.recv_count,
-                      topk_idx.astype(jnp.int32), topk_weights)
+def _ffi():
+  # Imported on use: the package imports (and lowers) without the native module.
+  from jax_ep import _ffi_low_latency
+  return _ffi_low_latency
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KernelPending:
-  """An op sent by the kernels' send half (kernel_*_start), for its receive
-  half (kernel_*_done). arrays[0] is the send's token, which orders the two
-  in XLA (a combine adds its topk_idx and topk_weights); the rest is static."""
+class LowLatencyPending:
+  """An op sent by the kernels' send half, for its `*_done`. arrays[0] is the
+  send's token, which orders the two halves in XLA; with backend "auto" the
+  op's inputs follow it (the reference runs from them off CUDA), with "cuda"
+  only what the receive reads (a combine's topk_idx and topk_weights)."""
   arrays: tuple
   op: str = dataclasses.field(metadata=dict(static=True))
+  backend: str = dataclasses.field(metadata=dict(static=True))
   axis_name: str = dataclasses.field(metadata=dict(static=True))
   num_experts: int = dataclasses.field(metadata=dict(static=True))
   max_tokens: int = dataclasses.field(metadata=dict(static=True))
@@ -89,114 +55,77 @@ class KernelPending:
   topk: int = dataclasses.field(metadata=dict(static=True))
   hidden: int = dataclasses.field(metadata=dict(static=True))
   fp8: bool = dataclasses.field(metadata=dict(static=True))
+  ue8m0: bool = dataclasses.field(metadata=dict(static=True))
   reserved_bytes: int = dataclasses.field(metadata=dict(static=True))
   num_sms: int = dataclasses.field(metadata=dict(static=True))
 
 
-def _check_kernel_inputs(x, topk_idx, fp8, max_tokens):
-  from jax_ep import _ffi_low_latency as ffi_ll
-  if not ffi_ll.kernels_take(x.dtype, x.shape[1], fp8, topk_idx.shape[1], max_tokens):
-    raise ValueError("the low-latency kernels take bf16 x with H a multiple of 8 (128 with FP8), "
-                     f"1 <= K <= 32 and max_tokens <= {ffi_ll.MAX_TOKENS}; got {x.dtype}, "
-                     f"H={x.shape[1]}, K={topk_idx.shape[1]}, max_tokens={max_tokens}")
+def _kernel_refusal(dtype, hidden: int, fp8: bool, topk: int, max_tokens: int) -> Optional[str]:
+  """Why the kernels cannot take this input, or None."""
+  ffi_ll = _ffi()
+  if ffi_ll.kernels_take(dtype, hidden, fp8, topk, max_tokens):
+    return None
+  return (f"the low-latency kernels take bf16 data with H a multiple of 8 (128 with FP8), "
+          f"1 <= K <= 32 and max_tokens <= {ffi_ll.MAX_TOKENS}; got {jnp.dtype(dtype)}, "
+          f"H={hidden}, K={topk}, max_tokens={max_tokens} (backend=None runs the reference "
+          f"for such inputs)")
 
 
-def kernel_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
-                          max_tokens: int, axis_name: str = "ep", fp8: bool = False,
-                          ue8m0: bool = False, reserved_bytes: int = 0,
-                          num_sms: int = 0) -> KernelPending:
-  """The send half of kernel_dispatch (its own custom call)."""
-  from jax_ep import _ffi_low_latency as ffi_ll
-  _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, "cuda")
-  _check_kernel_inputs(x, topk_idx, fp8, max_tokens)
-
-  def cuda(comm):
-    return lambda a, i: ffi_ll.dispatch_send_cuda(
-        a, i, num_experts=num_experts, max_tokens=max_tokens, comm_id=comm.comm_id, fp8=fp8,
-        ue8m0=ue8m0, reserved_bytes=reserved_bytes, num_sms=num_sms)
-
-  token = _backend.run("cuda", axis_name, None, cuda, x, topk_idx.astype(jnp.int32))
-  return KernelPending((token,), op="low_latency_dispatch", axis_name=axis_name,
-                       num_experts=num_experts, max_tokens=max_tokens, num_tokens=x.shape[0],
-                       topk=topk_idx.shape[1], hidden=x.shape[1], fp8=fp8,
-                       reserved_bytes=reserved_bytes, num_sms=num_sms)
+def _window_need(axis_name: str, *, num_experts: int, max_tokens: int, hidden: int, topk: int,
+                 reserved_bytes: int) -> int:
+  return _ffi().window_bytes_needed(num_ranks=ref.axis_size(axis_name), max_tokens=max_tokens,
+                                    hidden=hidden, topk=topk, num_experts=num_experts,
+                                    reserved_bytes=reserved_bytes)
 
 
-def kernel_dispatch_done(pending: KernelPending) -> LowLatencyDispatchOutput:
-  """The receive half: what kernel_dispatch returns."""
-  from jax_ep import _ffi_low_latency as ffi_ll
-  _check_kernel_pending(pending, "low_latency_dispatch")
-  p = pending
-  num_ranks = ref.axis_size(p.axis_name)
-
-  def cuda(comm):
-    return lambda t: ffi_ll.dispatch_recv_cuda(
-        t, num_tokens=p.num_tokens, topk=p.topk, hidden=p.hidden, num_experts=p.num_experts,
-        max_tokens=p.max_tokens, num_ranks=num_ranks, comm_id=comm.comm_id, fp8=p.fp8,
-        reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
-
-  recv, counts, src_entry = _backend.run("cuda", p.axis_name, None, cuda, p.arrays[0])
-  handle = LowLatencyHandle(src_entry=src_entry, recv_count=counts, max_tokens=p.max_tokens,
-                            num_experts=p.num_experts)
-  return LowLatencyDispatchOutput(recv, counts, handle)
+def _has_gin_peer(comm) -> bool:
+  """Whether a local rank of `comm` reaches a peer by GIN, which the kernels
+  have no path for (the handler refuses the call). Every member of an EP
+  group that spans NVLink domains has such a peer, so the ranks of a group
+  decide alike."""
+  info = getattr(comm, "info", None)
+  return bool(info is not None and any(d.get("gin_mask", 0) for d in info()))
 
 
-def kernel_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                         handle: LowLatencyHandle, *, axis_name: str = "ep",
-                         reserved_bytes: int = 0, num_sms: int = 0) -> KernelPending:
-  """The send half of kernel_combine (its own custom call)."""
-  from jax_ep import _ffi_low_latency as ffi_ll
-  _check_combine(y, topk_idx, topk_weights, handle, axis_name, "cuda")
-  _check_combine_kernel_input(y)
-
-  def cuda(comm):
-    return lambda yy, e, c, i: ffi_ll.combine_send_cuda(
-        yy, e, c, i, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
-        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=num_sms)
-
-  token = _backend.run("cuda", axis_name, None, cuda, y, handle.src_entry, handle.recv_count,
-                       topk_idx.astype(jnp.int32))
-  return KernelPending((token, topk_idx, topk_weights), op="low_latency_combine",
-                       axis_name=axis_name, num_experts=handle.num_experts,
-                       max_tokens=handle.max_tokens, num_tokens=topk_idx.shape[0],
-                       topk=topk_idx.shape[1], hidden=y.shape[-1], fp8=False,
-                       reserved_bytes=reserved_bytes, num_sms=num_sms)
-
-
-def kernel_combine_done(pending: KernelPending) -> jax.Array:
-  """The receive half: [T, H] bf16, as kernel_combine."""
-  from jax_ep import _ffi_low_latency as ffi_ll
-  _check_kernel_pending(pending, "low_latency_combine")
-  p = pending
-  token, topk_idx, topk_weights = p.arrays
-
-  def cuda(comm):
-    return lambda t, i, w: ffi_ll.combine_recv_cuda(
-        t, i, w, hidden=p.hidden, num_experts=p.num_experts, max_tokens=p.max_tokens,
-        comm_id=comm.comm_id, reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
-
-  return _backend.run("cuda", p.axis_name, None, cuda, token, topk_idx.astype(jnp.int32),
-                      topk_weights)
+def _choose(backend: Optional[str], axis_name: str, *, dtype, hidden: int, fp8: bool, topk: int,
+            num_experts: int, max_tokens: int, reserved_bytes: int) -> str:
+  """"cuda" (forced: the kernels or a ValueError), "auto" (the kernels on the
+  CUDA platform, the reference elsewhere) or "reference"."""
+  if backend == "reference":
+    return "reference"
+  why = _kernel_refusal(dtype, hidden, fp8, topk, max_tokens)
+  comm = _backend.cuda_comm(axis_name)
+  need = _window_need(axis_name, num_experts=num_experts, max_tokens=max_tokens, hidden=hidden,
+                      topk=topk, reserved_bytes=reserved_bytes)
+  if backend == "cuda":
+    if why is not None:
+      raise ValueError(f"backend='cuda': {why}")
+    if comm is not None and need > comm.num_bytes:
+      raise ValueError(f"backend='cuda': the low-latency kernels need {need} window bytes per GPU "
+                       f"(reserved_bytes={reserved_bytes} below their area) but the "
+                       f"Communicator has {comm.num_bytes}; create it with num_bytes >= {need} "
+                       f"(jax_ep.get_buffer_size_hint(..., low_latency=True))")
+    return "cuda"
+  if comm is None or why is not None or need > comm.num_bytes or _has_gin_peer(comm):
+    return "reference"
+  return "auto"
 
 
-def _check_kernel_pending(pending, op: str) -> None:
-  if not isinstance(pending, KernelPending) or pending.op != op:
-    raise ValueError(f"pending must be the result of kernel_{op.split('_', 2)[2]}_start")
+def _run_kind(kind: str) -> Optional[str]:
+  """The _backend.run backend of a _choose result."""
+  return {"cuda": "cuda", "auto": None, "reference": "reference"}[kind]
 
 
-def _check_combine_kernel_input(y) -> None:
-  if y.dtype != jnp.bfloat16 or y.shape[-1] % 8:
-    raise ValueError(f"the low-latency combine kernel takes bf16 y with H a multiple of 8; "
-                     f"got {y.dtype}, H={y.shape[-1]}")
-
-
-def _kernels_for(x_dtype, hidden, fp8, topk, max_tokens) -> bool:
-  from jax_ep import _ffi_low_latency as ffi_ll
-  return _KERNELS_VALIDATED and ffi_ll.kernels_take(x_dtype, hidden, fp8, topk, max_tokens)
+def _check_options(reserved_bytes, num_sms) -> int:
+  """num_sms as the kernels' attribute (0: the kernels' own choice)."""
+  if (not isinstance(reserved_bytes, (int, np.integer)) or isinstance(reserved_bytes, bool)
+      or reserved_bytes < 0):
+    raise ValueError(f"reserved_bytes must be an int >= 0, got {reserved_bytes!r}")
+  return check_sms(num_sms, None)[0]
 
 
 def _check_pending(pending, op: str) -> None:
-  if not isinstance(pending, Pending) or pending.op != op:
+  if not isinstance(pending, (Pending, LowLatencyPending)) or pending.op != op:
     raise ValueError(f"pending must be the result of {op}_start")
 
 
@@ -210,56 +139,6 @@ def _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backen
   check_positive("max_tokens", max_tokens)
   if t > max_tokens:
     raise ValueError(f"x has {t} tokens, more than max_tokens={max_tokens}")
-
-
-def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
-                               max_tokens: int, axis_name: str = "ep", fp8: bool = False,
-                               ue8m0: bool = False, backend: Optional[str] = None) -> Any:
-  """Sends; returns an opaque pending state for `low_latency_dispatch_done`."""
-  _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
-  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1], max_tokens):
-    return kernel_dispatch_start(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
-                                 axis_name=axis_name, fp8=fp8, ue8m0=ue8m0)
-  if backend == "cuda":
-    out = _via_normal.dispatch_via_normal(x, topk_idx, num_experts=num_experts,
-                                          max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
-                                          ue8m0=ue8m0, backend="cuda")
-    return Pending(out, op="low_latency_dispatch", axis_name=axis_name, num_experts=num_experts,
-                   max_tokens=max_tokens, backend="cuda")
-  return ref.low_latency_dispatch_start(x, topk_idx, num_experts=num_experts,
-                                        max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
-                                        ue8m0=ue8m0)
-
-
-def low_latency_dispatch_done(pending: Pending) -> LowLatencyDispatchOutput:
-  """Receives: recv_x [E_l, R * max_tokens, H] (+ scales if FP8), recv_count [E_l], handle.
-
-  Rows of local expert l are packed from row 0 in (source rank, token, k)
-  order; the rest are zero (the reference) or unspecified (the kernels).
-  """
-  if isinstance(pending, KernelPending):
-    return kernel_dispatch_done(pending)
-  _check_pending(pending, "low_latency_dispatch")
-  if pending.backend == "cuda":
-    return pending.arrays
-  return ref.low_latency_dispatch_done(pending)
-
-
-def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
-                         max_tokens: int, axis_name: str = "ep", fp8: bool = False,
-                         ue8m0: bool = False,
-                         backend: Optional[str] = None) -> LowLatencyDispatchOutput:
-  """Fused `low_latency_dispatch_start` + `low_latency_dispatch_done`.
-
-  Args:
-    x: [T, H] with T <= max_tokens; topk_idx: [T, K] ids in [-1, E).
-  """
-  if backend == "cuda" and _kernels_for(x.dtype, x.shape[1], fp8, topk_idx.shape[1], max_tokens):
-    return kernel_dispatch(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
-                           axis_name=axis_name, fp8=fp8, ue8m0=ue8m0)  # one kernel
-  p = low_latency_dispatch_start(x, topk_idx, num_experts=num_experts, max_tokens=max_tokens,
-                                 axis_name=axis_name, fp8=fp8, ue8m0=ue8m0, backend=backend)
-  return low_latency_dispatch_done(p)
 
 
 def _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend):
@@ -277,39 +156,228 @@ def _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend):
                 num_experts=handle.num_experts, num_ranks=num_ranks)
 
 
+# ---------------------------------------------------------------- dispatch
+
+def _ref_dispatch(x, topk_idx, *, num_experts, max_tokens, axis_name, fp8, ue8m0):
+  """The reference's fused dispatch as (recv_x, recv_count, src_entry), the
+  kernels' result tuple."""
+  o = ref.low_latency_dispatch_done(ref.low_latency_dispatch_start(
+      x, topk_idx, num_experts=num_experts, max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
+      ue8m0=ue8m0))
+  return o.recv_x, o.recv_count, o.handle.src_entry
+
+
+def _dispatch_output(recv, counts, src_entry, *, num_experts, max_tokens):
+  handle = LowLatencyHandle(src_entry=src_entry, recv_count=counts, max_tokens=max_tokens,
+                            num_experts=num_experts)
+  return LowLatencyDispatchOutput(recv, counts, handle)
+
+
+def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
+                               max_tokens: int, axis_name: str = "ep", fp8: bool = False,
+                               ue8m0: bool = False, reserved_bytes: int = 0,
+                               num_sms: Optional[int] = None,
+                               backend: Optional[str] = None) -> Any:
+  """Sends; returns an opaque pending state for `low_latency_dispatch_done`.
+  Arguments as `low_latency_dispatch`."""
+  _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
+  sms = _check_options(reserved_bytes, num_sms)
+  kind = _choose(backend, axis_name, dtype=x.dtype, hidden=x.shape[1], fp8=fp8,
+                 topk=topk_idx.shape[1], num_experts=num_experts, max_tokens=max_tokens,
+                 reserved_bytes=reserved_bytes)
+  if kind == "reference":
+    return ref.low_latency_dispatch_start(x, topk_idx, num_experts=num_experts,
+                                          max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
+                                          ue8m0=ue8m0)
+  idx = topk_idx.astype(jnp.int32)
+
+  def cuda(comm):
+    return lambda a, i: _ffi().dispatch_send_cuda(
+        a, i, num_experts=num_experts, max_tokens=max_tokens, comm_id=comm.comm_id, fp8=fp8,
+        ue8m0=ue8m0, reserved_bytes=reserved_bytes, num_sms=sms)
+
+  def reference(a, i):  # off CUDA under auto: the done runs the whole reference
+    return jnp.ones((1,), jnp.int32)
+
+  token = _backend.run(_run_kind(kind), axis_name, reference, cuda, x, idx)
+  arrays = (token, x, idx) if kind == "auto" else (token,)
+  return LowLatencyPending(arrays, op="low_latency_dispatch", backend=kind, axis_name=axis_name,
+                           num_experts=num_experts, max_tokens=max_tokens, num_tokens=x.shape[0],
+                           topk=topk_idx.shape[1], hidden=x.shape[1], fp8=fp8, ue8m0=ue8m0,
+                           reserved_bytes=reserved_bytes, num_sms=sms)
+
+
+def low_latency_dispatch_done(pending: Any) -> LowLatencyDispatchOutput:
+  """Receives: recv_x [E_l, R * max_tokens, H] (+ scales if FP8), recv_count [E_l], handle.
+
+  Rows of local expert l are packed from row 0 in (source rank, token, k)
+  order; the rest are zero (the reference) or unspecified (the kernels).
+  """
+  _check_pending(pending, "low_latency_dispatch")
+  if isinstance(pending, Pending):
+    return ref.low_latency_dispatch_done(pending)
+  p = pending
+  num_ranks = ref.axis_size(p.axis_name)
+
+  def cuda(comm):
+    return lambda t, *_: _ffi().dispatch_recv_cuda(
+        t, num_tokens=p.num_tokens, topk=p.topk, hidden=p.hidden, num_experts=p.num_experts,
+        max_tokens=p.max_tokens, num_ranks=num_ranks, comm_id=comm.comm_id, fp8=p.fp8,
+        reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
+
+  def reference(t, x, i):
+    return _ref_dispatch(x, i, num_experts=p.num_experts, max_tokens=p.max_tokens,
+                         axis_name=p.axis_name, fp8=p.fp8, ue8m0=p.ue8m0)
+
+  recv, counts, src_entry = _backend.run(_run_kind(p.backend), p.axis_name, reference, cuda,
+                                         *p.arrays)
+  return _dispatch_output(recv, counts, src_entry, num_experts=p.num_experts,
+                          max_tokens=p.max_tokens)
+
+
+def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
+                         max_tokens: int, axis_name: str = "ep", fp8: bool = False,
+                         ue8m0: bool = False, reserved_bytes: int = 0,
+                         num_sms: Optional[int] = None,
+                         backend: Optional[str] = None) -> LowLatencyDispatchOutput:
+  """Fused `low_latency_dispatch_start` + `low_latency_dispatch_done` (one
+  kernel on CUDA).
+
+  Args:
+    x: [T, H] with T <= max_tokens; topk_idx: [T, K] ids in [-1, E).
+    fp8 / ue8m0: cast to e4m3 with per-128-channel scales (powers of two).
+    reserved_bytes: CUDA: window bytes from the base that other ops of the
+      program (dispatch / combine) use; the kernels' area goes above them.
+    num_sms: CUDA: at most this many CTAs (one per SM); None: one per
+      local expert or per 16 tokens, at most every SM.
+    backend: see the module doc.
+  Returns:
+    recv_x [E_l, R * max_tokens, H] (or (e4m3, scales [E_l, R * max_tokens,
+    H / 128])), recv_count [E_l], handle (for low_latency_combine).
+  """
+  _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
+  sms = _check_options(reserved_bytes, num_sms)
+  kind = _choose(backend, axis_name, dtype=x.dtype, hidden=x.shape[1], fp8=fp8,
+                 topk=topk_idx.shape[1], num_experts=num_experts, max_tokens=max_tokens,
+                 reserved_bytes=reserved_bytes)
+  kw = dict(num_experts=num_experts, max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
+            ue8m0=ue8m0)
+  if kind == "reference":
+    return low_latency_dispatch_done(low_latency_dispatch_start(x, topk_idx, **kw,
+                                                                backend="reference"))
+  num_ranks = ref.axis_size(axis_name)
+
+  def cuda(comm):
+    return lambda a, i: _ffi().dispatch_cuda(
+        a, i, num_experts=num_experts, max_tokens=max_tokens, num_ranks=num_ranks,
+        comm_id=comm.comm_id, fp8=fp8, ue8m0=ue8m0, reserved_bytes=reserved_bytes, num_sms=sms)
+
+  recv, counts, src_entry = _backend.run(_run_kind(kind), axis_name,
+                                         lambda a, i: _ref_dispatch(a, i, **kw), cuda, x,
+                                         topk_idx.astype(jnp.int32))
+  return _dispatch_output(recv, counts, src_entry, num_experts=num_experts,
+                          max_tokens=max_tokens)
+
+
+# ---------------------------------------------------------------- combine
+
+def _ref_combine(y, src_entry, recv_count, topk_idx, topk_weights, *, num_experts, max_tokens,
+                 axis_name):
+  h = LowLatencyHandle(src_entry=src_entry, recv_count=recv_count, max_tokens=max_tokens,
+                       num_experts=num_experts)
+  return ref.low_latency_combine_done(ref.low_latency_combine_start(
+      y, topk_idx, topk_weights, h, axis_name=axis_name))
+
+
+def _choose_combine(y, topk_idx, handle, axis_name, backend, reserved_bytes) -> str:
+  return _choose(backend, axis_name, dtype=y.dtype, hidden=y.shape[-1], fp8=False,
+                 topk=topk_idx.shape[1], num_experts=handle.num_experts,
+                 max_tokens=handle.max_tokens, reserved_bytes=reserved_bytes)
+
+
 def low_latency_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                               handle: LowLatencyHandle, *, axis_name: str = "ep",
+                              reserved_bytes: int = 0, num_sms: Optional[int] = None,
                               backend: Optional[str] = None) -> Any:
-  """Sends expert outputs back; returns a pending state for `low_latency_combine_done`."""
+  """Sends expert outputs back; returns a pending state for
+  `low_latency_combine_done`. Arguments as `low_latency_combine`."""
   _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
-  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1], handle.max_tokens):
-    return kernel_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
-  if backend == "cuda":
-    out = _via_normal.combine_via_normal(y, topk_idx, topk_weights, handle, axis_name=axis_name,
-                                         backend="cuda")
-    return Pending(out, op="low_latency_combine", axis_name=axis_name,
-                   num_experts=handle.num_experts, backend="cuda")
-  return ref.low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
+  sms = _check_options(reserved_bytes, num_sms)
+  kind = _choose_combine(y, topk_idx, handle, axis_name, backend, reserved_bytes)
+  if kind == "reference":
+    return ref.low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
+  idx = topk_idx.astype(jnp.int32)
+
+  def cuda(comm):
+    return lambda yy, e, c, i: _ffi().combine_send_cuda(
+        yy, e, c, i, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
+        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=sms)
+
+  def reference(yy, e, c, i):  # off CUDA under auto: the done runs the whole reference
+    return jnp.ones((1,), jnp.int32)
+
+  token = _backend.run(_run_kind(kind), axis_name, reference, cuda, y, handle.src_entry,
+                       handle.recv_count, idx)
+  arrays = ((token, idx, topk_weights) if kind == "cuda" else
+            (token, idx, topk_weights, y, handle.src_entry, handle.recv_count))
+  return LowLatencyPending(arrays, op="low_latency_combine", backend=kind, axis_name=axis_name,
+                           num_experts=handle.num_experts, max_tokens=handle.max_tokens,
+                           num_tokens=topk_idx.shape[0], topk=topk_idx.shape[1],
+                           hidden=y.shape[-1], fp8=False, ue8m0=False,
+                           reserved_bytes=reserved_bytes, num_sms=sms)
 
 
-def low_latency_combine_done(pending: Pending) -> jax.Array:
+def low_latency_combine_done(pending: Any) -> jax.Array:
   """[T, H]: sum over the token's valid (t, k) in ascending (expert, k) order of
   w[t, k] * y[row], float32, cast to y's dtype."""
-  if isinstance(pending, KernelPending):
-    return kernel_combine_done(pending)
   _check_pending(pending, "low_latency_combine")
-  if pending.backend == "cuda":
-    return pending.arrays
-  return ref.low_latency_combine_done(pending)
+  if isinstance(pending, Pending):
+    return ref.low_latency_combine_done(pending)
+  p = pending
+
+  def cuda(comm):
+    return lambda t, i, w, *_: _ffi().combine_recv_cuda(
+        t, i, w, hidden=p.hidden, num_experts=p.num_experts, max_tokens=p.max_tokens,
+        comm_id=comm.comm_id, reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
+
+  def reference(t, i, w, y, e, c):
+    return _ref_combine(y, e, c, i, w, num_experts=p.num_experts, max_tokens=p.max_tokens,
+                        axis_name=p.axis_name)
+
+  return _backend.run(_run_kind(p.backend), p.axis_name, reference, cuda, *p.arrays)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                         handle: LowLatencyHandle, *, axis_name: str = "ep",
+                        reserved_bytes: int = 0, num_sms: Optional[int] = None,
                         backend: Optional[str] = None) -> jax.Array:
-  """Fused `low_latency_combine_start` + `low_latency_combine_done`."""
-  if backend == "cuda" and _kernels_for(y.dtype, y.shape[-1], False, topk_idx.shape[1], handle.max_tokens):
-    _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
-    return kernel_combine(y, topk_idx, topk_weights, handle, axis_name=axis_name)  # one kernel
-  p = low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name,
-                                backend=backend)
-  return low_latency_combine_done(p)
+  """Fused `low_latency_combine_start` + `low_latency_combine_done` (one
+  kernel on CUDA).
+
+  Args:
+    y: [E_l, R * max_tokens, H] expert outputs (rows past recv_count are not
+      read); topk_idx / topk_weights: [T, K], as given to the dispatch;
+      handle: the dispatch's.
+    reserved_bytes / num_sms / backend: as `low_latency_dispatch` (pass the
+      dispatch's reserved_bytes).
+  Returns:
+    [T, H] in y's dtype.
+  """
+  _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
+  sms = _check_options(reserved_bytes, num_sms)
+  kind = _choose_combine(y, topk_idx, handle, axis_name, backend, reserved_bytes)
+  if kind == "reference":
+    return low_latency_combine_done(low_latency_combine_start(
+        y, topk_idx, topk_weights, handle, axis_name=axis_name, backend="reference"))
+
+  def cuda(comm):
+    return lambda yy, e, c, i, w: _ffi().combine_cuda(
+        yy, e, c, i, w, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
+        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=sms)
+
+  def reference(yy, e, c, i, w):
+    return _ref_combine(yy, e, c, i, w, num_experts=handle.num_experts,
+                        max_tokens=handle.max_tokens, axis_name=axis_name)
+
+  return _backend.run(_run_kind(kind), axis_name, reference, cuda, y, handle.src_entry,
+                      handle.recv_count, topk_idx.astype(jnp.int32), topk_weights)

@@ -455,7 +455,7 @@ void RegisterLoopbackBindings(nb::module_& m) {
       },
       nb::arg("device_ordinal"), nb::arg("nranks"), nb::arg("window_bytes"), nb::arg("timeout_s") = 10.0,
       nb::arg("gin_emulated") = false,
-      "Test harness: `nranks` virtual EP ranks on one GPU (ffi/handlers/loopback.cc); returns an id.");
+      "Test harness: `nranks` virtual EP ranks on one GPU (ffi/testing/loopback.cc); returns an id.");
   m.def(
       "loopback_run",
       [](int64_t id, const std::string& op, std::vector<nb::dict> scalars, std::vector<nb::dict> inputs,

@@ -1,10 +1,11 @@
-// FFI target "jax_ep_probe_all_to_all" (execute stage; instantiate is shared,
-// see bindings.cc).
+// FFI target "jax_ep_probe_all_to_all", built only with JAX_EP_TESTING=ON: a
+// check of the communicator (windows, LSA barriers), not an op. Execute
+// stage; the instantiate stage is the ops' own (handlers/bindings.cc).
 #include <cstdint>
 #include <string>
 
 #include "handlers/state.h"
-#include "kernels/probe.cuh"
+#include "testing/probe.cuh"
 
 namespace jax_ep {
 namespace {

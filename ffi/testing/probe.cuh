@@ -7,7 +7,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
-#include "common.cuh"
+#include "kernels/common.cuh"
 
 namespace jax_ep {
 

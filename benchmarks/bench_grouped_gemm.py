@@ -24,7 +24,6 @@ for fwd_bwd) over the median time. Records: bench = grouped_gemm.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 
@@ -328,12 +327,10 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   records = run(args.quick)
-  stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
-               commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   for r in records:
-    r.update(stamp)
-  path = bn.write_records(records, args.out, "grouped_gemm")
-  print(f"wrote {path}")
+    r.update(ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
+  bn.run_records.stamp(records, bn._machine(gpus[:1]))
+  bn.write_records(records, args.out, "grouped_gemm")
   return 0
 
 

@@ -90,6 +90,7 @@ def run(shape: bench_normal.Shape, *, quick: bool) -> list[dict]:
   bf16_row, fp8_row = h * 2, h + (h // 128) * 4
   reserved, nbytes = windows(shape)
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
+  bench_normal.run_records.note_communicator(comm)
   try:
     _kernel_records(bench, smap, kw, x, topk_idx, w, reserved, fp8_row, bf16_row)
     for impl, backend in (("jax_ep", "cuda"), ("reference", "reference")):
@@ -220,13 +221,12 @@ def ll_sms(shape: bench_normal.Shape) -> int:
 
 def main(argv=None) -> int:
   args = bench_normal.simple_args(__doc__, argv)
-  status, records, out = bench_normal.measure_and_write(
+  status, records, _ = bench_normal.measure_and_write(
       "bench_low_latency", "low_latency", lambda: run(bench_normal.Shape(tokens=128), quick=args.quick),
       args.out)
   if status:
     return status
   print(bench_normal._table(records))
-  print(f"json: {out}")
   return 0
 
 

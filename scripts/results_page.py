@@ -111,6 +111,55 @@ def _run_lines(rel: str, recs: list[dict]) -> list[str]:
   return lines
 
 
+# jax_ep's variants a headline's summary compares: the default path, and
+# the forms a user reaches on purpose (the dedicated low-latency kernels,
+# the fetch of a published Engram table, the FP8 grouped GEMM).
+COMPARED = ("jax_ep", "jax_ep_kernels", "jax_ep_fetch", "jax_ep_fp8")
+# Not alternatives a user would run instead: the dense matmul and the
+# unragged batched GEMM are the grouped GEMM's floors, not its baselines.
+NOT_BASELINES = ("jax_dense_matmul", "jax_batched_einsum")
+
+
+def _summary(recs: list[dict]) -> list[str]:
+  """Per group of one shape (bench, dtype, tokens, direction, mode, routing):
+  each compared jax_ep variant against the fastest JAX-native baseline of
+  the same run (where there is none, the reference backend: Engram's
+  request / response all_to_all), as a ratio of speeds (> 1: jax_ep
+  faster); and its ratio to the dense matmul where the record has one."""
+  groups: dict = {}
+  for r in recs:
+    if r.get("time_us") is None:
+      continue
+    key = tuple(r.get(k) for k in ("bench", "tokens_per_rank", "direction", "mode", "routing"))
+    groups.setdefault(key, []).append(r)
+  out = []
+  for key, rs in groups.items():
+    base = [r for r in rs if r.get("path") == "xla" and r["impl"] not in NOT_BASELINES]
+    kind = "the fastest JAX-native baseline of the run"
+    if not base:
+      base, kind = [r for r in rs if r.get("path") == "reference"], "the reference backend, same run"
+    what = " ".join(str(k) for k in key if k is not None)
+    for r in rs:
+      if r["impl"] not in COMPARED:
+        continue
+      if r.get("ratio_to_dense") is not None:
+        out.append(f"- {what}, {r['impl']} {r.get('dtype', '')}: {_fmt(r['time_us'])} µs, "
+                   f"**{r['ratio_to_dense']:.2f} ×** the rate of a dense matmul of the same FLOPs "
+                   f"(`ratio_to_dense`)")
+      # The same dtype where the run has it (else bf16: the JAX-native
+      # pipelines move bf16 rows; an FP8 dispatch is compared with them).
+      same = [x for x in base if x.get("dtype") == r.get("dtype")] or [x for x in base if x.get("dtype") == "bf16"]
+      b = min(same, key=lambda x: x["time_us"], default=None)
+      if b is None:
+        continue
+      ratio = b["time_us"] / r["time_us"]
+      out.append(f"- {what}, {r['impl']} {r.get('dtype', '')}: {_fmt(r['time_us'])} µs against "
+                 f"{b['impl']} {b.get('dtype', '')} {_fmt(b['time_us'])} µs, {kind}: "
+                 f"**{ratio:.2f} ×** its speed"
+                 + (" (slower)" if ratio < 1 else ""))
+  return out + ([""] if out else [])
+
+
 def _latest(runs, pred: Callable[[dict], bool]) -> Optional[tuple[str, list[dict]]]:
   hits = [(rel, recs) for rel, recs in runs if any(pred(r) for r in recs)]
   return max(hits, key=_run_key) if hits else None
@@ -250,6 +299,7 @@ def build() -> str:
       continue
     rel, recs = hit
     lines += _run_lines(rel, recs)
+    lines += _summary(recs)
     lines += _table(recs, cols) + [""]
   lines += ["## Every run", "",
             "All run files, newest first (each table above is one of them).", ""]

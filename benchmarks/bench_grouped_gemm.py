@@ -241,7 +241,7 @@ def run(quick: bool) -> list[dict]:
         "jax_ragged_dot": (vjp_of(lambda a, b: jax.lax.ragged_dot(a, b, sizes)), (x, w, dy)),
     }
     # ragged_dot's backward materialises [G, M, H] (56.8 GiB here) and runs
-    # out of memory on a 141 GB H200 (device run 2, 2026-12-01); its forward
+    # out of memory on a 141 GB H200 (measured 2026-12-01); its forward
     # is timed on the up projection only (~0.2 s a call).
     bwd.pop("jax_ragged_dot")
     if quick or direction == "down":

@@ -38,7 +38,7 @@ dispatch / combine, in the expert GEMMs and in the rest. Before timing, all vari
 their losses and gradients compared (bf16 tolerance). Records: bench =
 moe_step (a run file under results/moe/); `--tokens 512` and `--sweep` for other sizes.
 The MaxText layer's own expert compute, ragged_dot, is not used: its backward
-at this shape needs a 56.8 GiB temporary (grouped GEMM bench, device run 2)
+at this shape needs a 56.8 GiB temporary (grouped GEMM bench, 2026-12-01)
 and its forward alone takes ~186 ms per 32768 rows.
 """
 from __future__ import annotations
@@ -62,8 +62,8 @@ import bench_normal as bn  # noqa: E402
 # Where a MoE step's GPU time goes (jax_ep's kernel names, then XLA's). The
 # grouped GEMM's families come first: CUTLASS's kernel names spell out their
 # template arguments, `cutlass::layout::RowMajor` among them, which the
-# dispatch layout kernel's "Layout" would otherwise claim (device run 1 of
-# session 6 counted the GEMMs as dispatch that way).
+# dispatch layout kernel's "Layout" would otherwise claim (a run at acabcad,
+# 2026-12-01, counted the GEMMs as dispatch that way).
 STEP_FAMILIES = (("GemmUniversal", "expert_gemms"), ("PrepGroups", "expert_gemms"),
                  ("ZeroTailRows", "expert_gemms"), ("ZeroEmptyGroups", "expert_gemms"),
                  ("Dispatch", "dispatch_combine"), ("Combine", "dispatch_combine"))

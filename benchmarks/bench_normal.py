@@ -127,7 +127,7 @@ def _chain(fn: Callable, iters: int, digest=None) -> Callable:
   def step(*a):
     # Every call's output is returned, or a digest of them all: a step
     # returning only the last one let XLA drop 49 of 50 Engram fetches,
-    # barrier or not (trace_chain, session 16: 0.02 kernels per call). No
+    # barrier or not (trace_chain at e4e1a39: 0.02 kernels per call). No
     # reduction across ranks: that would add a collective. The barrier makes
     # each call's inputs look new, so XLA cannot merge the calls.
     carry, outs = a, []
@@ -639,7 +639,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
     # The sweep's long chains of jax_ep's ops keep one small digest per step,
     # not every call's outputs (up to SWEEP_MAX_CALLS of them). XLA's own
     # pipelines keep every output: under a digest XLA may shrink their
-    # gathers and scatters to the digested elements (RESULTS.md, session 17).
+    # gathers and scatters to the digested elements (RESULTS.md, 8728f18).
     digest = mesh if sweep and impl.startswith("jax_ep") else None
     try:
       iters, reps = _adaptive_iters(fn, args, quick, sweep=sweep, digest=digest)

@@ -41,7 +41,7 @@ def _pair(x, key, *, E: int, K: int, backend: str):
 def memory_growth(mems: list[list[int]]) -> tuple:
   """(growth, swing) in bytes over per-chunk samples of bytes in use per
   device. A leak raises the floor; a buffer that XLA frees a little late
-  comes and goes (session 11 run 3: one 4 MiB output, up and down from chunk
+  comes and goes (the run at 26bc3db: one 4 MiB output, up and down from chunk
   to chunk). So growth is the lowest sample of the later half minus the
   lowest of the earlier half, the worst device; swing the largest range."""
   if len(mems) < 2:

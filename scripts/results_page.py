@@ -50,6 +50,21 @@ How to read it:
   NVLink.
 - `path`: `cuda` jax_ep's kernels, `reference` its pure-JAX backend, `xla`
   JAX-native ops; `transport`: `local` (one rank), `lsa` (NVLink stores).
+
+What bounds the figures (the measurements behind each are in
+benchmarks/RESULTS.md):
+- The grouped GEMM reads every expert's own weights, which a one-weight
+  dense matmul of the same FLOPs does not; on routed groups its 128-row
+  tiles also compute padding rows. Its backward writes one weight gradient
+  per expert.
+- At EP1 XLA's dense `all_to_all` is a local copy on every SM, while
+  jax_ep's ops still pay their per-call control; EP1 figures show launch
+  and local-path costs, not the link.
+- Small ops' `time_us` includes the step's own launch, sync and output
+  returns spread over the chain; most of that is the returning of each
+  call's output, which `digest_us` leaves out.
+- Checked mode (`Communicator.create(checked=True)`) adds a host wait per
+  op; deferred is the default.
 """
 
 

@@ -22,7 +22,8 @@
 #   CUTLASS headers: the pinned nvidia-cutlass wheel, installed from .whl/
 #   when the machine has no cutlass_library (the GPU machine is offline).
 #
-# $OUT receives summary.txt, junit.xml, logs.tar.gz, bench.tar.gz and
+# $OUT receives summary.txt, junit.xml, logs.tar.gz, bench.tar.gz, the
+# profile's profile_normal.json and
 # results/: each benchmark's run file (results/<bench>/<date>_<commit>_<n>.json,
 # copied as each benchmark ends) and the test record made from junit.xml
 # (results/tests/...), laid out as benchmarks/results/ is: copy results/
@@ -51,7 +52,7 @@ build="FAIL"; versions="FAIL"; tests="not run"; bench_failed=""; bench_ran=0
 # (timeout's TERM) cuts the run short: what ran still comes back.
 finish() {
 trap - EXIT TERM INT
-# Pack: logs and benchmark outputs as two archives; JSON also loose if few.
+# Pack: logs and benchmark outputs as two archives; the run files also loose.
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 if [ -n "$(ls -A "$BENCH")" ]; then
   tar -czf "$OUT/bench.tar.gz" -C "$BENCH" .
@@ -107,6 +108,8 @@ trap finish EXIT
 # named by date and commit, so nothing there is overwritten).
 keep_records() {
   (cd "$BENCH" && find . -mindepth 2 -name '*.json' -exec cp -n --parents {} "$OUT/results/" \;) 2>/dev/null
+  # Outputs that are not run files (profile_normal.json), loose as before.
+  for j in "$BENCH"/*.json; do [ -e "$j" ] && cp "$j" "$OUT/"; done
 }
 mkdir -p "$OUT/results"
 TEST_COMMAND="not run"

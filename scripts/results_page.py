@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Callable, Optional
 
@@ -181,7 +182,8 @@ def _latest(runs, pred: Callable[[dict], bool]) -> Optional[tuple[str, list[dict
 
 
 COMM_COLS = ["bench", "impl", "dtype", "tokens_per_rank", "ranks", "time_us", "digest_us", "kernel_us",
-             "nvlink_gbps", "logical_gbps", "ratio_to_copy_engine", "sms", "path", "transport", "env"]
+             "nvlink_gbps", "logical_gbps", "ratio_to_copy_engine", "sms", "path", "transport", "env",
+             "path_detail"]
 HEADLINES = [
     ("Grouped GEMM (one GPU): bf16 and FP8 against the dense matmul of the same FLOPs",
      "grouped_gemm", lambda r: True,
@@ -214,7 +216,7 @@ def _op_of(file: str, name: str) -> Optional[str]:
   s = (file + " " + name).lower()
   if "grouped" in s or "gemm" in s:
     return "grouped GEMM"
-  if "low_latency" in s or "ll_" in name.lower():
+  if "low_latency" in s or re.search(r"(^|_)ll(_|\b)", name.lower()):
     return "low latency"
   if "engram" in s:
     return "Engram"

@@ -25,7 +25,7 @@ import re
 import shlex
 import subprocess
 import sys
-from typing import Iterable, Optional
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -161,9 +161,14 @@ def write(records: list[dict], out_dir: str, name: str) -> str:
       continue
 
 
+def _order(path: str) -> tuple:
+  stem, _, n = os.path.basename(path)[:-len(".json")].rpartition("_")
+  return (stem[:10], int(n) if n.isdigit() else 0, stem)
+
+
 def run_files(out_dir: str, name: str) -> list[str]:
-  """The run files of one benchmark under out_dir, oldest name first."""
-  return sorted(glob.glob(os.path.join(out_dir, name, "*.json")))
+  """The run files of one benchmark under out_dir, by date, then number."""
+  return sorted(glob.glob(os.path.join(out_dir, name, "*.json")), key=_order)
 
 
 def latest(out_dir: str, name: str) -> Optional[list[dict]]:
@@ -173,15 +178,3 @@ def latest(out_dir: str, name: str) -> Optional[list[dict]]:
     return None
   with open(files[-1]) as f:
     return json.load(f)
-
-
-def load_all(root: str = RESULTS_DIR, names: Optional[Iterable[str]] = None) -> dict[str, list[dict]]:
-  """{path relative to root: records} of every run file under root (or
-  under the named benchmarks' folders)."""
-  out = {}
-  pattern = [os.path.join(root, n, "*.json") for n in names] if names else [os.path.join(root, "*", "*.json")]
-  for pat in pattern:
-    for p in sorted(glob.glob(pat)):
-      with open(p) as f:
-        out[os.path.relpath(p, root)] = json.load(f)
-  return out

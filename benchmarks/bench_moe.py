@@ -585,6 +585,9 @@ def main(argv=None) -> int:
   ragged = "jax_native_ragged_a2a"
   if not args.no_ragged_modes and (impls is None or ragged in impls):
     records += symmetric_memory_ragged(args.tokens or 4096, quick=args.quick)
+  for r in records:
+    if r.get("impl") == "expert_gemms":  # jax_ep's grouped matmuls, named for what they floor
+      r["path"] = "cuda"
   bn.run_records.stamp(records, bn._machine(gpus))
   path = bn.write_records(records, args.out, "moe")
   if args.sweep:

@@ -120,6 +120,7 @@ def _run_lines(rel: str, recs: list[dict]) -> list[str]:
            + (" (as benchmarks/RESULTS.md gives it)" if r.get("command_source") else ""), ""]
   notes = sorted({n for x in recs for n in x.get("record_notes", [])})
   notes += sorted({f"{x['impl']}: {x['relabelled']}" for x in recs if x.get("relabelled")})
+  notes += [f"{x['bench']} {x['impl']} {x.get('dtype', '')}: {x['caveat']}" for x in recs if x.get("caveat")]
   for n in notes:
     lines.append(f"- Note: {n}")
   if notes:

@@ -111,7 +111,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
   from jax_ep import _ffi_engram, _native
-  from bench_normal import digest_times, fmt, time_or_none, trace_us
+  from bench_normal import digest_times, fmt, run_records, time_or_none, trace_us
 
   devices = jax.devices()[:shape.ranks]
   mesh = Mesh(np.array(devices), ("ep",))
@@ -153,6 +153,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
     print(f"  engram_fetch {impl:16s} {dtype:5s} {t * 1e6:10.1f} us{extra}", flush=True)
 
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=window_bytes(shape))
+  run_records.note_communicator(comm)
   cid = comm.comm_id
   try:
     for dtype, tab, row_bytes in (("bf16", table, d * 2), ("fp8", q, d)):
@@ -268,7 +269,7 @@ def _large_fetch(shape: Shape, mesh, smap, token, cid: int, quick: bool) -> list
 def main(argv=None) -> int:
   from bench_normal import fmt, measure_and_write, simple_args
   args = simple_args(__doc__, argv)
-  status, records, out = measure_and_write("bench_engram", "engram",
+  status, records, _ = measure_and_write("bench_engram", "engram",
                                            lambda: run(Shape(), quick=args.quick), args.out)
   if status:
     return status
@@ -279,7 +280,6 @@ def main(argv=None) -> int:
       continue
     print(f"{r['impl']:16s} {r['dtype']:5s} {r['time_us']:10.1f} {r['nvlink_gbps']:8.1f} "
           f"{r['logical_gbps']:8.1f} {r['mrows_per_s']:9.1f} {fmt(r['ratio_to_copy_engine'], '6.2f')}")
-  print(f"json: {out}")
   return 0
 
 

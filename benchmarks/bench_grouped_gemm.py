@@ -25,7 +25,6 @@ for fwd_bwd) over the median time. Records: bench = grouped_gemm.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 
@@ -358,7 +357,7 @@ def run(quick: bool, fp8_only: bool = False) -> list[dict]:
         "jax_ragged_dot": (vjp_of(lambda a, b: jax.lax.ragged_dot(a, b, sizes)), (x, w, dy)),
     }
     # ragged_dot's backward materialises [G, M, H] (56.8 GiB here) and runs
-    # out of memory on a 141 GB H200 (device run 2, 2026-12-01); its forward
+    # out of memory on a 141 GB H200 (measured 2026-12-01); its forward
     # is timed on the up projection only (~0.2 s a call).
     bwd.pop("jax_ragged_dot")
     if quick or direction == "down":
@@ -448,12 +447,10 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   records = run(args.quick, fp8_only)
-  stamp = dict(machine=bn._machine(gpus[:1]), date=datetime.date.today().isoformat(),
-               commit=bn._commit(), ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   for r in records:
-    r.update(stamp)
-  path = bn.write_records(records, args.out, "grouped_gemm")
-  print(f"wrote {path}")
+    r.update(ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
+  bn.run_records.stamp(records, bn._machine(gpus[:1]))
+  bn.write_records(records, args.out, "grouped_gemm")
   return 0
 
 

@@ -36,16 +36,15 @@ The loss is mean(out²) summed over ranks; gradients w.r.t. router, w_in and
 w_out. The jax_ep step is also profiled (jax.profiler): GPU time per step in
 dispatch / combine, in the expert GEMMs and in the rest. Before timing, all variants are run at a capacity with no drops and
 their losses and gradients compared (bf16 tolerance). Records: bench =
-moe_step (results/moe.json); `--tokens 512` and `--sweep` for other sizes.
+moe_step (a run file under results/moe/); `--tokens 512` and `--sweep` for other sizes.
 The MaxText layer's own expert compute, ragged_dot, is not used: its backward
-at this shape needs a 56.8 GiB temporary (grouped GEMM bench, device run 2)
+at this shape needs a 56.8 GiB temporary (grouped GEMM bench, 2026-12-01)
 and its forward alone takes ~186 ms per 32768 rows.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
 import os
@@ -63,8 +62,8 @@ import bench_normal as bn  # noqa: E402
 # Where a MoE step's GPU time goes (jax_ep's kernel names, then XLA's). The
 # grouped GEMM's families come first: CUTLASS's kernel names spell out their
 # template arguments, `cutlass::layout::RowMajor` among them, which the
-# dispatch layout kernel's "Layout" would otherwise claim (device run 1 of
-# session 6 counted the GEMMs as dispatch that way).
+# dispatch layout kernel's "Layout" would otherwise claim (a run at acabcad,
+# 2026-12-01, counted the GEMMs as dispatch that way).
 STEP_FAMILIES = (("GemmUniversal", "expert_gemms"), ("PrepGroups", "expert_gemms"),
                  ("ZeroTailRows", "expert_gemms"), ("ZeroEmptyGroups", "expert_gemms"),
                  ("Dispatch", "dispatch_combine"), ("Combine", "dispatch_combine"))
@@ -404,7 +403,7 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True,
       nbytes = max(1 << 30, window_bytes_needed(
           num_ranks=r_count, tokens_per_rank=max(4096, shape.tokens), hidden=shape.hidden,
           topk=shape.topk, num_experts=shape.experts))
-      jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
+      bn.run_records.note_communicator(jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes))
   x, params = make_inputs(shape, mesh, jax.random.key(0))
   if check:
     try:
@@ -586,14 +585,13 @@ def main(argv=None) -> int:
   ragged = "jax_native_ragged_a2a"
   if not args.no_ragged_modes and (impls is None or ragged in impls):
     records += symmetric_memory_ragged(args.tokens or 4096, quick=args.quick)
-  stamp = dict(machine=bn._machine(gpus), date=datetime.date.today().isoformat(),
-               commit=bn._commit())
   for r in records:
-    r.update(stamp)
+    if r.get("impl") == "expert_gemms":  # jax_ep's grouped matmuls, named for what they floor
+      r["path"] = "cuda"
+  bn.run_records.stamp(records, bn._machine(gpus))
   path = bn.write_records(records, args.out, "moe")
-  print(f"wrote {path}")
   if args.sweep:
-    _plot(records, os.path.join(args.out, "moe_sweep.png"))
+    _plot(records, path[:-len(".json")] + ".png")
   return 0
 
 
@@ -606,7 +604,7 @@ def symmetric_memory_ragged(tokens: int, *, quick: bool, timeout_s: int = 400) -
   xla = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
   argv = ["--tokens", str(tokens), "--impls", impl, "--no-ragged-modes"] + (
       ["--quick"] if quick else [])
-  got, rc, tail = bn.records_from_script(os.path.abspath(__file__), argv, "moe.json", impl,
+  got, rc, tail = bn.records_from_script(os.path.abspath(__file__), argv, "moe", impl,
                                          {"XLA_FLAGS": xla}, timeout_s)
   for r in got:
     r.update(impl=f"{impl}[{mode}]", xla_flags=flag)

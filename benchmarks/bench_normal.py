@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -42,8 +41,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+import records as run_records
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS_DIR = os.path.join(HERE, "results")
+RESULTS_DIR = run_records.RESULTS_DIR
 
 
 @dataclasses.dataclass
@@ -57,21 +58,8 @@ class Shape:
 
 # ---------------------------------------------------------------- helpers
 
-def _commit() -> str:
-  # The device machine gets a copy of the tree without .git: the caller
-  # passes the commit (scripts/gpu_check.sh: JAX_EP_COMMIT).
-  if os.environ.get("JAX_EP_COMMIT"):
-    return os.environ["JAX_EP_COMMIT"]
-  try:
-    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                   stderr=subprocess.DEVNULL).decode().strip()
-  except Exception:  # noqa: BLE001 - informational only
-    return "unknown"
-
-
-def _machine(devices) -> str:
-  kinds = sorted({d.device_kind for d in devices})
-  return f"{len(devices)}x {'/'.join(kinds)}"
+_commit = run_records.commit
+_machine = run_records.machine
 
 
 def _routing(key, shape: Shape):
@@ -139,7 +127,7 @@ def _chain(fn: Callable, iters: int, digest=None) -> Callable:
   def step(*a):
     # Every call's output is returned, or a digest of them all: a step
     # returning only the last one let XLA drop 49 of 50 Engram fetches,
-    # barrier or not (trace_chain, session 16: 0.02 kernels per call). No
+    # barrier or not (trace_chain at e4e1a39: 0.02 kernels per call). No
     # reduction across ranks: that would add a collective. The barrier makes
     # each call's inputs look new, so XLA cannot merge the calls.
     carry, outs = a, []
@@ -544,7 +532,7 @@ def records_from_script(script: str, argv: list[str], json_name: str, impl: str,
   """(records of `impl`, return code, output tail) from a benchmark script run
   in a fresh process with `env_extra` in its environment (XLA_FLAGS and
   jax_ep's settings are read once per process) and `--out` a temporary
-  directory, where it writes `json_name`."""
+  directory, where it writes its run file under `json_name`/."""
   import tempfile
   env = dict(os.environ, **env_extra)
   with tempfile.TemporaryDirectory() as tmp:
@@ -555,10 +543,9 @@ def records_from_script(script: str, argv: list[str], json_name: str, impl: str,
     except subprocess.TimeoutExpired:
       rc, tail = None, f"timed out after {timeout_s} s"
     got = []
-    path = os.path.join(tmp, json_name)
-    if rc == 0 and os.path.exists(path):
-      with open(path) as fh:
-        got = [r for r in json.load(fh) if r.get("impl") == impl]
+    child = run_records.latest(tmp, json_name) if rc == 0 else None
+    if child:
+      got = [r for r in child if r.get("impl") == impl]
   return got, rc, tail
 
 
@@ -573,8 +560,8 @@ def _records_in_subprocess(shape: "Shape", impl: str, env_extra: dict,
   """records_from_script of this script run for `impl` alone."""
   return records_from_script(os.path.abspath(__file__),
                              ["--tokens", str(shape.tokens), "--impls", impl,
-                              "--no-ragged-modes", "--only-out"],
-                             "normal.json", impl, env_extra, timeout_s)
+                              "--no-ragged-modes"],
+                             "normal", impl, env_extra, timeout_s)
 
 
 def register_copy(shape: "Shape") -> list[dict]:
@@ -652,7 +639,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
     # The sweep's long chains of jax_ep's ops keep one small digest per step,
     # not every call's outputs (up to SWEEP_MAX_CALLS of them). XLA's own
     # pipelines keep every output: under a digest XLA may shrink their
-    # gathers and scatters to the digested elements (RESULTS.md, session 17).
+    # gathers and scatters to the digested elements (RESULTS.md, 8728f18).
     digest = mesh if sweep and impl.startswith("jax_ep") else None
     try:
       iters, reps = _adaptive_iters(fn, args, quick, sweep=sweep, digest=digest)
@@ -693,6 +680,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
     nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
                                               hidden=h, topk=shape.topk, num_experts=shape.experts))
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
+    run_records.note_communicator(comm)
   try:
     for impl in impls:
       if impl == "jax_ep_checked":
@@ -774,30 +762,22 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
 
 
 def _finish(records: list[dict], ce_gbps: Optional[float], ce_note: str, machine: str) -> None:
-  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-  commit = _commit()
   for r in records:
     r["ratio_to_copy_engine"] = (r["nvlink_gbps"] / ce_gbps) if r.get("nvlink_gbps") and ce_gbps else None
-    r.update(machine=machine, date=date, commit=commit)
-  if ce_gbps is None:
-    return
-  records.append(dict(bench="copy_engine", impl="copy_engine", dtype="u8", tokens_per_rank=None,
-                      hidden=None, topk=None, experts=None, ranks=2, time_us=None,
-                      nvlink_gbps=ce_gbps, logical_gbps=None, sms=None, ratio_to_copy_engine=1.0,
-                      machine=machine, date=date, commit=commit, note=ce_note))
+  if ce_gbps is not None:
+    records.append(dict(bench="copy_engine", impl="copy_engine", dtype="u8", tokens_per_rank=None,
+                        hidden=None, topk=None, experts=None, ranks=2, time_us=None,
+                        nvlink_gbps=ce_gbps, logical_gbps=None, sms=None, ratio_to_copy_engine=1.0,
+                        note=ce_note))
+  run_records.stamp(records, machine)
 
 
-def write_records(records: list[dict], out_dir: str, name: str, repo_copy: bool = True) -> str:
-  """Writes out_dir/<name>.json and, when out_dir is elsewhere, the copy kept
-  in the repository (benchmarks/results/<name>.json). Returns the first path."""
-  paths = [os.path.join(out_dir, f"{name}.json")]
-  if repo_copy:
-    paths.append(os.path.join(RESULTS_DIR, f"{name}.json"))
-  for path in dict.fromkeys(os.path.abspath(p) for p in paths):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      json.dump(records, f, indent=1)
-  return paths[0]
+def write_records(records: list[dict], out_dir: str, name: str) -> str:
+  """Adds this run's file under out_dir/<name>/ (benchmarks/records.py) and
+  returns its path."""
+  path = run_records.write(records, out_dir, name)
+  print(f"records: {path}", flush=True)
+  return path
 
 
 def _table(records: list[dict]) -> str:
@@ -869,8 +849,6 @@ def main(argv=None) -> int:
   ap.add_argument("--impls", default=None, help="comma list, e.g. jax_ep,jax_all_to_all")
   ap.add_argument("--no-ragged-modes", action="store_true",
                   help="skip ragged_all_to_all under XLA's other modes (one process each)")
-  ap.add_argument("--only-out", action="store_true",
-                  help="write the JSON to --out only, not also to benchmarks/results")
   args = ap.parse_args(argv)
 
   # Variants that need a process of their own run first, while this one
@@ -907,10 +885,9 @@ def main(argv=None) -> int:
     records += run(Shape(tokens=t), quick=args.quick, impls=impls) + early
   _finish(records, ce, ce_note, machine)
 
-  write_records(records, args.out, "normal_sweep" if args.sweep else "normal",
-                repo_copy=not args.only_out)
+  path = write_records(records, args.out, "normal_sweep" if args.sweep else "normal")
   if args.sweep:
-    png = os.path.join(args.out, "normal_sweep.png")
+    png = path[:-len(".json")] + ".png"
     _plot(records, png)
     print(f"plot: {png}")
   print(_table(records))

@@ -52,7 +52,7 @@ def _events(trace_dir: str) -> list[dict]:
     if e.get("ph") != "X":
       continue
     name = e.get("name", "")
-    if "emcpy" in name:  # copies on the GPU (none in dispatch / combine since session 8)
+    if "emcpy" in name:  # copies on the GPU (none in dispatch / combine since the copy-engine path went, 4e57e2a)
       if "GPU" not in pname.get(e["pid"], ""):
         continue  # the host-side cudaMemcpyAsync API events
       m = re.search(r"size[^0-9]*([0-9]+)", json.dumps(e.get("args", {})))

@@ -101,9 +101,10 @@ def main(argv=None) -> int:
     return 1
   for layout, phases in got.items():
     print(f"  {layout:6s} " + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
-  rec = dict(bench="setup_stamps", ranks=bn.Shape().ranks, calls=args.calls, phases_us=got,
-             machine=bn._machine(gpus[:bn.Shape().ranks]), commit=bn._commit())
-  print(f"wrote {bn.write_records([rec], args.out, 'setup_stamps', repo_copy=False)}")
+  rec = dict(bench="setup_stamps", impl="jax_ep", ranks=bn.Shape().ranks, calls=args.calls,
+             phases_us=got)
+  bn.run_records.stamp([rec], bn._machine(gpus[:bn.Shape().ranks]))
+  bn.write_records([rec], args.out, "setup_stamps")
   return 0
 
 

@@ -4,7 +4,7 @@ After each chunk: the communicator reports no error, device memory in use
 has not grown, and the chunk's last pair equals the reference bit for bit
 (no drift). Stops after --pairs pairs or --max-seconds, whichever comes
 first (a device call is limited: run it in pieces), prints pairs/s and
-writes <out>/soak.json.
+adds a run file under <out>/soak/ (benchmarks/records.py).
 
   python benchmarks/soak.py --pairs 100000 --chunk 2000 --max-seconds 400
   JAX_EP_BENCH_RANKS=1 python benchmarks/soak.py ...   # one GPU (EP1)
@@ -12,8 +12,6 @@ writes <out>/soak.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -43,7 +41,7 @@ def _pair(x, key, *, E: int, K: int, backend: str):
 def memory_growth(mems: list[list[int]]) -> tuple:
   """(growth, swing) in bytes over per-chunk samples of bytes in use per
   device. A leak raises the floor; a buffer that XLA frees a little late
-  comes and goes (session 11 run 3: one 4 MiB output, up and down from chunk
+  comes and goes (the run at 26bc3db: one 4 MiB output, up and down from chunk
   to chunk). So growth is the lowest sample of the later half minus the
   lowest of the earlier half, the worst device; swing the largest range."""
   if len(mems) < 2:
@@ -143,11 +141,8 @@ def main(argv=None) -> int:
                    check=comm.check)
   finally:
     comm.close()
-  rec.update(machine=bn._machine(devices), commit=bn._commit(),
-             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "soak.json"), "w") as f:
-    json.dump([rec], f, indent=1)
+  bn.run_records.stamp([rec], bn._machine(devices))
+  bn.write_records([rec], args.out, "soak")
   growth = rec["memory_growth_bytes"]
   print(f"soak: {rec['status']}; {rec['pairs']} pairs in {rec['seconds'] or 0:.1f} s; "
         f"memory growth {growth} bytes", flush=True)

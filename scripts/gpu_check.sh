@@ -22,8 +22,12 @@
 #   CUTLASS headers: the pinned nvidia-cutlass wheel, installed from .whl/
 #   when the machine has no cutlass_library (the GPU machine is offline).
 #
-# $OUT receives at most 8 files: summary.txt, junit.xml, logs.tar.gz,
-# bench.tar.gz and the benchmark JSON files (copied as each benchmark ends).
+# $OUT receives summary.txt, junit.xml, logs.tar.gz, bench.tar.gz, the
+# profile's profile_normal.json and
+# results/: each benchmark's run file (results/<bench>/<date>_<commit>_<n>.json,
+# copied as each benchmark ends) and the test record made from junit.xml
+# (results/tests/...), laid out as benchmarks/results/ is: copy results/
+# into benchmarks/results/ to keep them (cp -rn: a run never replaces another).
 # The device call's limit counts the machine's start and the build (~85 s
 # on a cold machine): keep an outer `timeout` ~120 s under that limit, or a
 # SIGKILL leaves only what was copied so far. Exit status is non-zero if
@@ -49,14 +53,16 @@ build="FAIL"; versions="FAIL"; tests="not run"; bench_failed=""; bench_ran=0
 # (timeout's TERM) cuts the run short: what ran still comes back.
 finish() {
 trap - EXIT TERM INT
-# Pack: logs and benchmark outputs as two archives; JSON also loose if few.
+# Pack: logs and benchmark outputs as two archives; the run files also loose.
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 if [ -n "$(ls -A "$BENCH")" ]; then
   tar -czf "$OUT/bench.tar.gz" -C "$BENCH" .
-  mapfile -t jsons < <(find "$BENCH" -name '*.json' | sort)
-  if [ "${#jsons[@]}" -le 4 ]; then
-    for j in "${jsons[@]}"; do cp "$j" "$OUT/"; done
-  fi
+  keep_records
+fi
+if [ -s "$OUT/junit.xml" ]; then
+  mkdir -p "$OUT/results"
+  "$PY" scripts/junit_record.py "$OUT/junit.xml" --out "$OUT/results" --gpus "${JAX_EP_TEST_GPUS:-0}" \
+      --command "$TEST_COMMAND" >/dev/null 2>&1 || echo "junit_record.py failed: no test record"
 fi
 
 {
@@ -98,6 +104,16 @@ exit $status
 }
 trap 'status=1; build="${build} (run cut short by a signal)"; finish' TERM INT
 trap finish EXIT
+
+# The run files of the benchmarks so far, into $OUT/results/<bench>/ (each
+# named by date and commit, so nothing there is overwritten).
+keep_records() {
+  (cd "$BENCH" && find . -mindepth 2 -name '*.json' -exec cp -n --parents {} "$OUT/results/" \;) 2>/dev/null
+  # Outputs that are not run files (profile_normal.json), loose as before.
+  for j in "$BENCH"/*.json; do [ -e "$j" ] && cp "$j" "$OUT/"; done
+}
+mkdir -p "$OUT/results"
+TEST_COMMAND="not run"
 
 T0=$(date +%s)
 # Each step with the seconds since the start: where a device call's time goes.
@@ -148,6 +164,7 @@ note "GPU tests"
 if [ "${GPU_CHECK_TESTS:-}" = none ]; then
   tests="not run (GPU_CHECK_TESTS=none)"
 elif [ "$build" = ok ]; then
+  TEST_COMMAND="JAX_EP_TEST_GPUS=$JAX_EP_TEST_GPUS python -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} ${GPU_CHECK_TESTS:-}"
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${GPU_CHECK_TESTS:-} \
       --junitxml="$OUT/junit.xml" >"$LOGS/pytest.log" 2>&1 || status=1
@@ -217,12 +234,13 @@ for b in benchmarks/bench_*.py; do
   extra_var="GPU_CHECK_ARGS_$name"
   read -r -a extra <<<"${!extra_var:-}"
   echo "-- [+$(( $(date +%s) - T0 ))s] $name ${extra[*]}" | tee -a "$LOGS/steps.log"
-  # Live on stdout too, and each JSON into $OUT as soon as it exists: a run
-  # killed at the device call's limit (SIGKILL: no trap, no packing) still
-  # returns what finished (session 10, run 4 lost bench_engram's figures).
+  # Live on stdout too, and each run file into $OUT as soon as it exists: a
+  # run killed at the device call's limit (SIGKILL: no trap, no packing)
+  # still returns what finished (one such run, at 3bcfd29 on 2026-12-02,
+  # lost bench_engram's figures).
   timeout 900 "$PY" "$b" --out "$BENCH" "${extra[@]}" 2>&1 | tee "$LOGS/$name.log"
   rc=${PIPESTATUS[0]}
-  for j in "$BENCH"/*.json; do [ -e "$j" ] && cp "$j" "$OUT/"; done
+  keep_records
   if [ $rc -eq 2 ]; then
     bench_skipped="$bench_skipped $name"; tail -2 "$LOGS/$name.log"
   elif [ $rc -ne 0 ]; then

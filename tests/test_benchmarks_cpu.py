@@ -188,7 +188,8 @@ def test_ragged_modes_run_each_flag_in_its_own_process_and_record_refusals(monke
     if "symmetric" in flag.lower():  # as a plugin without the flag would answer
       return types.SimpleNamespace(returncode=1, stdout="",
                                    stderr=f"Unknown flag in XLA_FLAGS: {flag}")
-    with open(os.path.join(out, "normal.json"), "w") as f:
+    os.makedirs(os.path.join(out, "normal"))  # the child adds its run file there
+    with open(os.path.join(out, "normal", "2026-01-01_abc1234_1.json"), "w") as f:
       json.dump([dict(bench="normal_dispatch", impl="jax_ragged_all_to_all", dtype="bf16",
                       tokens_per_rank=64, time_us=123.0)], f)
     return types.SimpleNamespace(returncode=0, stdout="", stderr="")
@@ -220,7 +221,8 @@ def test_moe_ragged_layer_runs_again_under_the_symmetric_memory_flag(monkeypatch
       return types.SimpleNamespace(returncode=1, stdout="",
                                    stderr="Unknown flag in XLA_FLAGS: ...")
     out = cmd[cmd.index("--out") + 1]
-    with open(os.path.join(out, "moe.json"), "w") as f:
+    os.makedirs(os.path.join(out, "moe"))  # the child adds its run file there
+    with open(os.path.join(out, "moe", "2026-01-01_abc1234_1.json"), "w") as f:
       json.dump([dict(bench="moe_step", impl="jax_native_ragged_a2a", tokens_per_rank=512,
                       time_us=9876.0)], f)
     return types.SimpleNamespace(returncode=0, stdout="", stderr="")
@@ -250,7 +252,8 @@ def test_register_copy_runs_jax_ep_in_a_process_with_bulk_copies_off(monkeypatch
     envs.append(env.get("JAX_EP_BULK"))
     assert cmd[cmd.index("--impls") + 1] == "jax_ep"
     out = cmd[cmd.index("--out") + 1]
-    with open(os.path.join(out, "normal.json"), "w") as f:
+    os.makedirs(os.path.join(out, "normal"))  # the child adds its run file there
+    with open(os.path.join(out, "normal", "2026-01-01_abc1234_1.json"), "w") as f:
       json.dump([dict(bench=b, impl="jax_ep", dtype="bf16", time_us=1.0)
                  for b in ("normal_dispatch", "normal_combine")], f)
     return types.SimpleNamespace(returncode=0, stdout="", stderr="")
@@ -392,3 +395,46 @@ def test_bench_normal_sweep_chains_enough_calls_and_keeps_xlas_outputs(monkeypat
   assert all(2 <= r["calls_per_step"] <= 3 and r["time_us"] > 0 for r in recs)
   assert chains and not any(d for _, d in chains)  # probes and timed steps: every output
   assert {r["calls_per_step"] for r in recs} <= {n for n, _ in chains}
+
+
+def test_records_add_a_file_per_run_and_never_overwrite(monkeypatch, tmp_path):
+  """benchmarks/records.py: every record carries the run's machine, date,
+  commit and command (with the settings that change what ran) and what
+  ran; a second run of the same commit on the same day adds a file."""
+  import json
+  rec = _bench("records")
+  monkeypatch.setenv("JAX_EP_COMMIT", "abc1234")
+  monkeypatch.setenv("JAX_EP_BENCH_RANKS", "1")
+  monkeypatch.setenv("JAX_EP_CUDA", "ON")  # a build switch: not part of the command
+  paths = []
+  for t in (10.0, 11.0):
+    rs = [dict(bench="normal_dispatch", impl="jax_ep", dtype="bf16", time_us=t),
+          dict(bench="normal_dispatch", impl="jax_all_to_all", dtype="bf16", time_us=2 * t)]
+    rec.stamp(rs, "1x NVIDIA H200", date="2026-12-04T10:00:00+00:00",
+              argv=[os.path.join(BENCH, "bench_normal.py"), "--out", "/tmp/x"])
+    paths.append(rec.write(rs, str(tmp_path), "normal"))
+  assert [os.path.basename(p) for p in paths] == ["2026-12-04_abc1234_1.json",
+                                                  "2026-12-04_abc1234_2.json"]
+  first, second = (json.load(open(p)) for p in paths)
+  assert first[0]["time_us"] == 10.0 and second[0]["time_us"] == 11.0
+  r = first[0]
+  assert (r["machine"], r["commit"], r["date"]) == ("1x NVIDIA H200", "abc1234",
+                                                    "2026-12-04T10:00:00+00:00")
+  assert r["command"] == "JAX_EP_BENCH_RANKS=1 python benchmarks/bench_normal.py --out /tmp/x"
+  assert (first[0]["path"], first[1]["path"]) == ("cuda", "xla")
+  assert rec.latest(str(tmp_path), "normal")[0]["time_us"] == 11.0
+
+
+def test_records_name_the_transport_the_communicator_reports():
+  import types
+  rec = _bench("records")
+  for info, want in (([dict(nranks=1, lsa_size=1, gin_mask=0, gin_emulated=False)], "local"),
+                     ([dict(nranks=2, lsa_size=2, gin_mask=0, gin_emulated=False)] * 2, "lsa"),
+                     ([dict(nranks=2, lsa_size=2, gin_mask=2, gin_emulated=True)] * 2, "gin_emulated"),
+                     ([dict(nranks=2, lsa_size=1, gin_mask=2, gin_emulated=False)], "gin")):
+    rec.note_communicator(types.SimpleNamespace(info=lambda info=info: info))
+    (r,) = rec.stamp([dict(bench="b", impl="jax_ep_kernels")], "m", date="2026-12-04")
+    assert r["transport"] == want
+  (r,) = rec.stamp([dict(bench="b", impl="reference")], "m", date="2026-12-04")
+  assert "transport" not in r and r["path"] == "reference"
+  rec._transport = None

@@ -162,8 +162,19 @@ def write(records: list[dict], out_dir: str, name: str) -> str:
 
 
 def _order(path: str) -> tuple:
+  """By the run's time (its records' `date`, to the second where it has
+  one: two runs of one day are ordered by when they ran, not by their
+  commits' hashes), then number."""
   stem, _, n = os.path.basename(path)[:-len(".json")].rpartition("_")
-  return (stem[:10], int(n) if n.isdigit() else 0, stem)
+  when = stem[:10]
+  try:
+    with open(path) as f:
+      first = json.load(f)
+    if isinstance(first, list) and first and isinstance(first[0].get("date"), str):
+      when = max(when, first[0]["date"])
+  except (OSError, ValueError):
+    pass
+  return (when, int(n) if n.isdigit() else 0, stem)
 
 
 def run_files(out_dir: str, name: str) -> list[str]:

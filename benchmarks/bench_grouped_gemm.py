@@ -309,6 +309,17 @@ def run(quick: bool, fp8_only: bool = False) -> list[dict]:
       def dense_bwd(a, b, d):
         out, back = jax.vjp(lambda a, b: a @ b, a, b)
         return (out, *back(d))
+      # The FP8 tensor-core rate of the same run: XLA's dense e4m3 matmul
+      # (cuBLASLt), the floor the FP8 products are measured against.
+      xf8, wf8 = xd.astype(jnp.float8_e4m3fn), wd.astype(jnp.float8_e4m3fn)
+      f8dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16)
+      try:
+        jax.block_until_ready(jax.jit(f8dot)(xf8, wf8))
+        t8 = bn.time_or_none(f"{direction} fwd dense fp8", f8dot, (xf8, wf8), quick, max_iters=10)
+      except Exception as e:  # noqa: BLE001 - a missing baseline must not hide the rest
+        print(f"  {direction} dense fp8: FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        t8 = None
+      del xf8, wf8
       for mode, f, a, mult in (("fwd", lambda a, b: a @ b, (xd, wd), 1),
                                ("fwd_bwd", dense_bwd, (xd, wd, dyd), 3)):
         jax.block_until_ready(jax.jit(f)(*a))
@@ -316,6 +327,8 @@ def run(quick: bool, fp8_only: bool = False) -> list[dict]:
         dense_by[(direction, mode)] = t
         rec(direction, mode, "jax_dense_matmul", t, mult * 2.0 * ROWS * k * n, t,
             padded_rows=ROWS)
+      rec(direction, "fwd", "jax_dense_matmul_fp8", t8, 2.0 * ROWS * k * n,
+          dense_by.get((direction, "fwd")), dtype="fp8", padded_rows=ROWS)
     _fp8_records(quick, rec, sizes_np, key, dense_by)
     return records
   for direction in ("up", "down"):

@@ -138,33 +138,65 @@ __global__ void __launch_bounds__(kThreads) CastWeightBlocks(const T* w, int64_t
 // are x[src, src + n) (rows past n are zeros), its scales one per channel
 // over those tokens, its e4m3 bytes written transposed into qT [C, P] at
 // columns [128 c, 128 c + 128).
+// 16 consecutive elements of T kept as loaded: 2 (bf16) or 4 (f32) 16-byte
+// words, widened to float when needed (fewer registers than 16 floats).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) CastTokenChunks(const T* x, int64_t C, int64_t P,
-                                                            const int32_t* chunk_src,
-                                                            const int32_t* chunk_rows,
-                                                            uint8_t* qt, float* scales) {
+struct Raw16 {
+  static constexpr int kWords = 16 * sizeof(T) / 16;
+  uint4 w[kWords];
+  __device__ __forceinline__ void Load(const T* p) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = q[i];
+  }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void ToFloat(float (&v)[16]) const {
+    Load16(reinterpret_cast<const T*>(w), v);
+  }
+};
+
+// One (128-token chunk, 128 channels) tile of x [M, C]: the chunk's rows
+// are x[src, src + n) (rows past n are zeros), its scales one per channel
+// over those tokens, its e4m3 bytes written transposed into qT [C, P] at
+// columns [128 c, 128 c + 128). The tile stays in registers as loaded and
+// is widened twice (amax, cast), so that three tiles fit an SM.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
+    CastTokenChunks(const T* x, int64_t C, int64_t P, const int32_t* chunk_src,
+                    const int32_t* chunk_rows, uint8_t* qt, float* scales) {
   __shared__ uint32_t tile[kTile][kPadWords];
   const int chunk = blockIdx.x, cb = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int src = chunk_src[chunk];
   int n = chunk_rows[chunk];
   n = n < 0 ? 0 : (n > kTile ? kTile : n);
-  float v[4][16];
+  Raw16<T> raw[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int t = 4 * lane + r;
     if (t < n) {
-      Load16(x + (static_cast<int64_t>(src) + t) * C + cb * kTile + 16 * warp, v[r]);
+      raw[r].Load(x + (static_cast<int64_t>(src) + t) * C + cb * kTile + 16 * warp);
     } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) v[r][j] = 0.0f;
+      raw[r].Zero();
     }
   }
   // Per column (channel): the max over the warp's 32 lanes x 4 rows.
   float inv[16];
 #pragma unroll
+  for (int j = 0; j < 16; ++j) inv[j] = 0.0f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    float v[16];
+    raw[r].ToFloat(v);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) inv[j] = AbsMaxNan(inv[j], v[j]);
+  }
+#pragma unroll
   for (int j = 0; j < 16; ++j) {
-    float m = AbsMaxNan(AbsMaxNan(AbsMaxNan(fabsf(v[0][j]), v[1][j]), v[2][j]), v[3][j]);
+    float m = inv[j];
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = AbsMaxNan(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float s = m != m ? m : Fp8Scale(m, false);
@@ -174,8 +206,10 @@ __global__ void __launch_bounds__(kThreads) CastTokenChunks(const T* x, int64_t 
   uint32_t col[16] = {};
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
+    float v[16];
+    raw[r].ToFloat(v);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) col[j] |= QuantizeKeepNan(v[r][j], inv[j]) << (8 * r);
+    for (int j = 0; j < 16; ++j) col[j] |= QuantizeKeepNan(v[j], inv[j]) << (8 * r);
   }
 #pragma unroll
   for (int j = 0; j < 16; ++j) tile[16 * warp + j][lane] = col[j];

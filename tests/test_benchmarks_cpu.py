@@ -116,7 +116,7 @@ def test_concurrency_counts_communication_beside_compute_on_other_streams_only()
 
 def test_chain_times_counts_the_kernels_it_saw_per_call():
   """A chain whose calls XLA dropped shows fewer than one kernel per call
-  (session 16: a last-output-only chain kept 1 of 50 fetches)."""
+  (2026-12-03: a last-output-only chain kept 1 of 50 fetches)."""
   bn = _bench_normal()
   evs = [dict(name="EngramFetchKernel", ts=10.0 * i, dur=5.0, line=(1, 7)) for i in range(4)]
   evs.append(dict(name="loop_fusion", ts=100.0, dur=2.0, line=(1, 7)))

@@ -161,7 +161,7 @@ def test_dispatch_and_combine_bitwise_equal_reference(comm, layout, T, H, K, E, 
 
 # Remote rows at the design shape and three corner cases, both layouts (the
 # copy-engine variant of this test went with the copy-engine path: slower
-# than SM stores in the same run, benchmarks/RESULTS.md session 3).
+# than SM stores in the same run, benchmarks/RESULTS.md, 2026-11-30).
 @pytest.mark.parametrize("layout", ["rank", "expert"])
 @pytest.mark.parametrize("T,H,K,E,dtype,mode", [
     (4096, 7168, 8, 256, "bfloat16", "random"),

@@ -196,7 +196,7 @@ def test_thousand_fetches_with_republishing_in_between_do_not_drift(comm, mode):
     """1000 publish + fetch pairs in jitted loops, two tables taking turns
     (a republish before every fetch), every fetch bitwise the reference's
     rows; indices random, all on the last rank, or a few rows repeated
-    (issue 13 item 6)."""
+    (a contract of the Engram fetch)."""
     R, VL = comm.num_ranks, 1000
     rng = np.random.default_rng(7500 + ["random", "one_owner", "repeated"].index(mode))
     a, b = _table(rng, (R, VL, D), BF16), _table(rng, (R, VL, D), BF16)
@@ -375,7 +375,7 @@ def test_table_gradient_kernel_is_the_ordered_sum_and_deterministic(comm):
     """The CUDA backend's table gradient (a per-row sum kernel over the
     stably sorted entries) equals the NumPy sum in (source rank, token,
     slot) order bit for bit, on order-sensitive values with hot rows, and
-    20 runs give the same bits (issue 13 item 4)."""
+    20 runs give the same bits (determinism)."""
     R = comm.num_ranks
     V, T, e = 64 * R, 256, 8
     rng = np.random.default_rng(31007)

@@ -117,7 +117,7 @@ constexpr int kPrepWarps = kPrepThreads / 32;
 // At most this many experts per expert-layout prep block. A block's work
 // grows with its experts (compares per entry and expert in both passes,
 // ballots in the second): 8 per block on 32 blocks took the setup from
-// 26.7 us (1 on 256) to 43.0 us (session 12). So the host spreads the experts over the SMs, and a
+// 26.7 us (1 on 256) to 43.0 us (2026-12-02). So the host spreads the experts over the SMs, and a
 // block takes more than one only when there are more experts than SMs.
 constexpr int kPrepExperts = 8;
 static_assert(kPrepThreads == kControlThreads, "prep and control blocks share one launch");
@@ -215,7 +215,7 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
       // Up to 8 ids per token in two 16-byte loads: each group of 4 steps
       // issues all its loads before it looks at any, so they are in flight
       // together (one load per round trip made the 4096-token block take
-      // 6.4 us, session 12).
+      // 6.4 us, 2026-12-02).
       constexpr int kGroup = 4;
       const int4 none = make_int4(-1, -1, -1, -1);
       for (int g = 0; g < steps; g += kGroup) {
@@ -296,13 +296,13 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
       return i < i1 ? __ldg(topk + i) : -1;
     };
     // Pass 1 only counts, so each lane adds its own matches and the warp
-    // sums them once at the end (ncu, session 13: the prep blocks kept the
+    // sums them once at the end (ncu, 2026-12-02: the prep blocks kept the
     // SMs 30 % busy for 14 us with four ballots per step and expert).
     int n[kPrepExperts] = {};
     // 16-byte path with at most 8 steps per warp (N <= 32768 entries): the
     // first pass keeps each entry's match with each expert as a bit (4 s + q
     // of hb[x]), so the second pass reads nothing; each group of 4 steps
-    // issues its loads before using any (session 12: a 2-expert block took
+    // issues its loads before using any (2026-12-02: a 2-expert block took
     // 11.8 us, most of it waiting on one or two loads at a time).
     constexpr int kGroup = 4;
     const bool keep = vec4 && steps <= 8;
@@ -476,7 +476,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
       StU64Volatile(tr.ControlWord(j, w.counts_off, w.counts_out_off, w.counts_stride, i), word);
     }
     // Each writer, only: its counts are visible before the barrier's
-    // release (1024 threads' system fences cost ~2 us, session 12).
+    // release (1024 threads' system fences cost ~2 us, 2026-12-02).
     if (tid < R * nslots) __threadfence_system();
   }
   __syncthreads();
@@ -1197,7 +1197,7 @@ int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_
     cap = static_cast<int>(std::min(ctas, static_cast<double>(kSmBudget)));
     // One rank: no link and no peer, so nothing to leave SMs for; the op is
     // a local copy (HBM to HBM) on the step's critical path, bound by the
-    // SMs it gets (benchmarks/RESULTS.md, session 10: 24 CTAs 1.7 x slower
+    // SMs it gets (benchmarks/RESULTS.md, 2026-12-02: 24 CTAs 1.7 x slower
     // than 132 in dispatch): every SM, like XLA's own copies -- unless it
     // runs beside the compute it should overlap (a *_start), which keeps
     // the budget.
@@ -1331,7 +1331,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   const int nslots = c.expert ? w.counts_stride : 2;
   // The prep blocks read topk twice (count, then place), through L1; after a
   // bulk data kernel the SMs sit in its all-shared-memory split, and the
-  // setup took ~4 us longer there than after register copies (session 11:
+  // setup took ~4 us longer there than after register copies (2026-12-02:
   // 17.6 against 13.6; asking for all-shared made it no better). A guess
   // to measure: ask for the largest L1.
   if (cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,

@@ -22,7 +22,7 @@ constexpr int kFetchMaxBlocks = 64;
 // Loads in flight per thread: 4 when the whole gather fits one pass of the
 // grid at 4 (a decode-size fetch: more CTAs, one load each), else 8 (a large
 // fetch: each CTA is latency-bound, so deeper is faster; measured at EP1,
-// benchmarks/RESULTS.md session 10).
+// benchmarks/RESULTS.md, 2026-12-02).
 constexpr int kFetchUnrollSmall = 4;
 constexpr int kFetchUnrollLarge = 8;
 
@@ -196,7 +196,7 @@ cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cu
     // cudaMemcpyAsync the publish is measured against, and no SMs taken.
     // A 264-CTA SM copy with the second barrier in its last CTA took 76 µs
     // of GPU time per 134 MB against the copy engine's 71 (1 x H200,
-    // benchmarks/RESULTS.md, session 9). After a failed first barrier the
+    // benchmarks/RESULTS.md, 2026-12-01). After a failed first barrier the
     // copy still runs; the token reports it.
     cudaError_t err = cudaMemcpyAsync(p.base[p.rank] + a.table_off, a.table, a.table_bytes,
                                       cudaMemcpyDeviceToDevice, stream);

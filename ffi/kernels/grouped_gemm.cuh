@@ -29,7 +29,7 @@ using Bf16 = cutlass::bfloat16_t;
 // M tiles of one group's weight slice run together and meet in L2. Expert
 // groups hold a few hundred rows, rarely a tile multiple: 128-row tiles
 // waste at most one partial tile per group. Clusters sharing tiles by
-// multicast measured equal or slower (benchmarks/RESULTS.md, session 6).
+// multicast measured equal or slower (benchmarks/RESULTS.md, 2026-12-01).
 struct Schedule {
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;

@@ -5,7 +5,7 @@
 // waits on a peer then holds up the launching host thread until the peer
 // arrives; when the same thread is the one that would launch that peer
 // (virtual ranks, ffi/testing/loopback.cc; one host thread driving several
-// GPUs), it deadlocks until the timeout (session 15: 9 timeouts). So the
+// GPUs), it deadlocks until the timeout (2026-12-03: 9 timeouts). So the
 // Communicator (ffi/comm.cc) and the loopback harness load all of them on
 // each device they set up, before any op can wait (docs/design.md §8).
 #pragma once

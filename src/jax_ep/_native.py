@@ -49,7 +49,7 @@ def _traits(target: str) -> dict:
   (what changes between calls is on the device: docs/low_latency.md,
   docs/design.md §2), so XLA may capture them into command buffers (CUDA
   graphs). Whether this jaxlib's XLA then captures them is not yet shown
-  (benchmarks/RESULTS.md, session 9). {} where this jaxlib has no such
+  (benchmarks/RESULTS.md, 2026-12-01). {} where this jaxlib has no such
   trait."""
   if target not in COMMAND_BUFFER_TARGETS:
     return {}

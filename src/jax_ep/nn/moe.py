@@ -228,7 +228,7 @@ class MoE(nnx.Module):
       the partial sums and two local gathers. None (default): "rank" when
       `axis_name` has more than one rank (at the design shape, EP2, its
       combine sends ~4 100 rows instead of ~16 400), else "expert" (one
-      rank: the two are level, benchmarks/RESULTS.md session 12, and
+      rank: the two are level, benchmarks/RESULTS.md, 2026-12-02, and
       "expert" rounds once).
     fp8_dispatch: the rows travel as FP8 (e4m3, a scale per 128 channels) and
       are dequantised to `dtype` before the expert matmuls; H must be a

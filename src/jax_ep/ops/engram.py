@@ -16,7 +16,7 @@ the axis, the table's rows suit the kernel and the window holds it (with
 (pure JAX request/response all_to_all). "reference" and "cuda" force one;
 "cuda" raises where auto would fall back. The CUDA path's GPU tests (fused
 and published, tables side by side, FP8, bad indices) passed at EP1 on one
-H200 and on virtual ranks; the fused publish + fetch also at EP2 (session 2),
+H200 and on virtual ranks; the fused publish + fetch also at EP2 (2026-11-30),
 the published-table path not yet (benchmarks/RESULTS.md). A fetch from a
 publication whose Communicator was closed or replaced raises. The table
 gradient sums the row cotangents into the owner's shard in (source rank,

@@ -336,3 +336,27 @@ def test_cuda_lowering_of_fp8_training_holds_forward_dgrad_and_wgrad():
   exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
                           disabled_checks=checks)(x, w, s)
   assert exp.mlir_module().count("custom_call @jax_ep_grouped_gemm_fp8") == 3
+
+
+def test_fp8_training_from_fp8_rows_uses_them_and_sends_the_gradient_to_x():
+  """x_fp8: the forward reads the FP8 rows (not x's values), dx goes to x,
+  dw is cast from the rows' values; equal to the path from the rows'
+  dequantised values."""
+  x, w, dy = _fp8_train_inputs(9, 3, 384)
+  sizes = jnp.asarray([128, 0, 256], jnp.int32)
+  rows = jax_ep.quantize(jnp.asarray(x))
+  xd = jax_ep.dequantize(*rows, jnp.float32).astype(jnp.bfloat16)
+  junk = jnp.full(x.shape, 7.0, jnp.bfloat16)  # never read
+  f = lambda a, b: jax_ep.grouped_matmul_fp8(a, b, sizes, x_fp8=rows, backend="reference")
+  out, pull = jax.vjp(f, junk, jnp.asarray(w))
+  dx, dw = pull(jnp.asarray(dy, jnp.bfloat16))
+  want = oracle.grouped_matmul(oracle.fp8_round_trip(np.asarray(xd, np.float32)),
+                               oracle.fp8_block_round_trip(w), [128, 0, 256])
+  _close(np.asarray(out, np.float64), want, 1e-2)
+  out2, pull2 = jax.vjp(lambda a, b: jax_ep.grouped_matmul_fp8(a, b, sizes, backend="reference"),
+                        xd, jnp.asarray(w))
+  # x's bf16 copy of the rows re-casts to nearly, not exactly, the rows.
+  _close(np.asarray(out, np.float64), np.asarray(out2, np.float64), 1e-2)
+  dx2, dw2 = pull2(jnp.asarray(dy, jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx2))
+  _close(np.asarray(dw, np.float64), np.asarray(dw2, np.float64), 1e-2)

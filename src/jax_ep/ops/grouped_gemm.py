@@ -420,24 +420,29 @@ def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
   return _pick(kernel, ref, backend, xq, xs, dq, ds, psizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fp8_train(x, w, sizes, wf, backend, num_sms):
-  xq, xs = fp8.quantize(x)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fp8_train(x, w, sizes, wf, x_fp8, backend, num_sms):
+  xq, xs = fp8.quantize(x) if x_fp8 is None else x_fp8
   return _fp8_product(xq, xs, wf.q, wf.s, sizes, masked=False, backend=backend, num_sms=num_sms)
 
 
-def _fp8_train_fwd(x, w, sizes, wf, backend, num_sms):
-  return _fp8_train(x, w, sizes, wf, backend, num_sms), (x, w, sizes, wf.q_t, wf.s_t)
+def _fp8_train_fwd(x, w, sizes, wf, x_fp8, backend, num_sms):
+  out = _fp8_train(x, w, sizes, wf, x_fp8, backend, num_sms)
+  # The weight gradient casts x along the tokens from the values at hand:
+  # x itself, or the FP8 rows when only those arrived.
+  xv = x if x_fp8 is None else fp8.dequantize(*x_fp8, jnp.float32)
+  return out, (xv, x, w, sizes, wf.q_t, wf.s_t, x_fp8)
 
 
 def _fp8_train_bwd(backend, num_sms, res, dy):
-  x, w, sizes, q_t, s_t = res
+  xv, x, w, sizes, q_t, s_t, x_fp8 = res
   dy = dy.astype(jnp.bfloat16)
   dq, ds = fp8.quantize(dy)
   dx = _fp8_product(dq, ds, q_t, s_t, sizes, masked=False, backend=backend, num_sms=num_sms)
-  dw = _fp8_wgrad(x, dy, sizes, backend=backend, num_sms=num_sms)
-  zeros_wf = None
-  return (_match_vma(dx.astype(x.dtype), x), _match_vma(dw.astype(w.dtype), w), None, zeros_wf)
+  dw = _fp8_wgrad(xv, dy, sizes, backend=backend, num_sms=num_sms)
+  ct_fp8 = None if x_fp8 is None else tuple(jnp.zeros_like(a) for a in x_fp8)
+  return (_match_vma(dx.astype(x.dtype), x), _match_vma(dw.astype(w.dtype), w), None, None,
+          ct_fp8)
 
 
 _fp8_train.defvjp(_fp8_train_fwd, _fp8_train_bwd)
@@ -467,6 +472,7 @@ def _check_fp8_train(x, w, sizes, w_fp8, backend) -> None:
 
 
 def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] = None,
+                       x_fp8: Optional[tuple[Array, Array]] = None,
                        backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
   """grouped_matmul on FP8 tensor cores with fine-grained scales; bf16 out.
 
@@ -496,11 +502,19 @@ def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] 
     _check_fp8(x, w, group_sizes, masked=False, backend=backend)
     return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
   _check_fp8_train(x, w, group_sizes, w_fp8, backend)
+  if x_fp8 is not None:
+    xq, xs = x_fp8
+    if (xq.shape != x.shape or xq.dtype != jnp.float8_e4m3fn
+        or xs.shape != (*x.shape[:-1], x.shape[-1] // fp8.BLOCK)):
+      raise ValueError(f"x_fp8 must be (e4m3 {list(x.shape)}, f32 "
+                       f"{[*x.shape[:-1], x.shape[-1] // fp8.BLOCK]}) rows of x's shape, got "
+                       f"{xq.dtype} {list(xq.shape)} and {list(xs.shape)}")
+    x_fp8 = tuple(lax.stop_gradient(a) for a in x_fp8)
   # The weights' cast is not differentiated through: the custom_vjp below
   # returns the master weights' gradient itself.
   wf = (fp8_weights(lax.stop_gradient(w), backend=backend) if w_fp8 is None
         else jax.tree.map(lax.stop_gradient, w_fp8))
-  return _fp8_train(x, w, group_sizes.astype(jnp.int32), wf, backend, num_sms)
+  return _fp8_train(x, w, group_sizes.astype(jnp.int32), wf, x_fp8, backend, num_sms)
 
 
 def masked_grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], counts: Array, *,

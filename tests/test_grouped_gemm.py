@@ -359,4 +359,6 @@ def test_fp8_training_from_fp8_rows_uses_them_and_sends_the_gradient_to_x():
   _close(np.asarray(out, np.float64), np.asarray(out2, np.float64), 1e-2)
   dx2, dw2 = pull2(jnp.asarray(dy, jnp.bfloat16))
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx2))
-  _close(np.asarray(dw, np.float64), np.asarray(dw2, np.float64), 1e-2)
+  # Both weight gradients cast along the tokens, from values one bf16
+  # rounding apart: e4m3 steps can land on either side.
+  _close(np.asarray(dw, np.float64), np.asarray(dw2, np.float64), 3e-2)

@@ -214,7 +214,7 @@ def test_auto_backend_gives_the_reference_backends_outputs_and_gradients():
 
 def test_swiglu_is_silu_gate_times_up_and_fuse_gate_up_puts_gate_first():
   rng = np.random.default_rng(0)
-  gate, up = rng.standard_normal((2, 5, 3, 16))
+  gate, up = rng.standard_normal((2, 5, 3, 16)).astype(np.float32)
   w13 = np.asarray(fuse_gate_up(jnp.asarray(gate), jnp.asarray(up)))
   np.testing.assert_array_equal(w13[..., :16], gate)
   np.testing.assert_array_equal(w13[..., 16:], up)
@@ -238,12 +238,14 @@ def test_swiglu_between_the_gemms_is_one_bf16_elementwise_pass():
   single fusion whose only input and output are bf16 (the f32 math lives
   inside it)."""
   mesh = make_mesh(2)
-  model = MoE(64, 32, 4, 2, mesh=mesh, activation="swiglu", backend="reference",
+  model = MoE(64, 48, 4, 2, mesh=mesh, activation="swiglu", backend="reference",
               rngs=nnx.Rngs(0))
   x = _tokens(mesh, 16, 64)
-  jaxpr = jax.make_jaxpr(lambda x: nnx.jit(lambda m, x: m(x))(model, x))(x)
-  dots = [str(e.outvars[0].aval) for e in _walk(jaxpr.jaxpr) if e.primitive.name == "ragged_dot"]
-  assert dots and all(d.startswith("bf16[") for d in dots), dots
+  graph, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda state, x: nnx.merge(graph, state)(x))(state, x)
+  dots = [e.outvars[0].aval for e in _walk(jaxpr.jaxpr) if e.primitive.name.startswith("ragged_dot")]
+  assert [d.shape[-1] for d in dots] == [96, 64], dots    # [M, 2F], then [M, H]
+  assert all(d.dtype == jnp.bfloat16 for d in dots), dots
   h13 = jnp.zeros((256, 2 * 128), jnp.bfloat16)
   hlo = jax.jit(lambda h: swiglu(h)).lower(h13).compile().as_text()
   entry = hlo[hlo.index("ENTRY"):]
@@ -253,13 +255,15 @@ def test_swiglu_between_the_gemms_is_one_bf16_elementwise_pass():
 
 
 def _walk(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs inside it."""
   for e in jaxpr.eqns:
     yield e
     for v in e.params.values():
       for sub in (v if isinstance(v, (list, tuple)) else [v]):
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None:
-          yield from _walk(getattr(inner, "jaxpr", inner))
+        while sub is not None and not hasattr(sub, "eqns"):
+          sub = getattr(sub, "jaxpr", None)
+        if sub is not None:
+          yield from _walk(sub)
 
 
 def test_dp_by_ep_mesh_gives_the_ep_only_swiglu_layer_results():
@@ -380,11 +384,19 @@ def test_fp8_emulated_gemm_matches_the_float64_oracle_of_its_casts(sizes, tail):
   # The casts do something: the exact products are further away.
   exact = oracle.grouped_matmul(x, w, sizes)
   assert np.max(np.abs(np.asarray(out) - exact)) > 1e-3 * np.max(np.abs(exact))
-  # x given already in FP8 (as a dispatch delivers it) gives the same product.
+  # x given already in FP8 (as a dispatch delivers it): the same product; the
+  # wgrad's column tiles are cast from those FP8 rows (the bf16 rows never
+  # reached this rank).
   from jax_ep import fp8
-  pre = grouped_matmul_fp8_emulated(jnp.asarray(x), jnp.asarray(w), sz, out_dtype=jnp.float32,
-                                    x_fp8=fp8.quantize(jnp.asarray(x)))
-  np.testing.assert_array_equal(np.asarray(pre), np.asarray(out))
+  pre_out, pre_vjp = jax.vjp(
+      lambda x, w: grouped_matmul_fp8_emulated(x, w, sz, out_dtype=jnp.float32,
+                                               x_fp8=fp8.quantize(jnp.asarray(x))),
+      jnp.asarray(x), jnp.asarray(w))
+  np.testing.assert_array_equal(np.asarray(pre_out), np.asarray(out))
+  pre_dx, pre_dw = pre_vjp(jnp.asarray(dy))
+  np.testing.assert_array_equal(np.asarray(pre_dx), np.asarray(dx))
+  _, want_dw = oracle.grouped_matmul_grads(_np_columns(_np_rows(x)), w, sizes, _np_columns(dy))
+  _assert_close(pre_dw, want_dw, 1e-5, "dw from FP8 rows")
 
 
 def test_fp8_gemm_propagates_nan_and_gives_all_zero_blocks_a_defined_scale():

@@ -10,6 +10,8 @@ dequantised operands:
   dgrad    dx  = Q(dy, 1 x 128 along N) @ Q(w)^T (the same blocks, transposed)
   wgrad    dw  = Q(x, 128 x 1 along tokens)^T @ Q(dy, 128 x 1 along tokens)
 
+(x given as FP8 rows, Q(x, 128 x 1) is cast from their values).
+
 so that an FP8 training run can be judged on any backend before the kernels
 exist. The weights are master copies (f32 or bf16) cast to FP8 inside the
 call; their gradient is straight through that cast (dw in w's dtype), and the
@@ -61,18 +63,21 @@ def _gemm_fwd(x, w, sizes, x_fp8, dtypes):
   out_dtype = dtypes[0]
   xq, xs = x_fp8 if x_fp8 is not None else fp8.quantize(x)
   wq, ws = quantize_weights_fp8(w)
-  out = _ragged(fp8.dequantize(xq, xs, jnp.float32), dequantize_weights_fp8(wq, ws), sizes)
-  # The FP8 copies are the residuals (what a kernel would keep): a quarter
-  # of f32 x's bytes and half of bf16's.
-  return out.astype(out_dtype), (xq, xs, wq, ws, sizes)
+  xd = fp8.dequantize(xq, xs, jnp.float32)
+  out = _ragged(xd, dequantize_weights_fp8(wq, ws), sizes)
+  # The wgrad's tiles run along the tokens, so x is cast a second way here,
+  # from the values at hand: x itself, or the FP8 rows when only those
+  # arrived (a second rounding a kernel on dispatched rows cannot avoid).
+  # A kernel keeps these as e4m3 + scales; the emulation keeps their values.
+  xt = fake_quantize_columns(xd if x_fp8 is not None else x)
+  return out.astype(out_dtype), (xt, wq, ws, sizes, xq, xs)
 
 
 def _gemm_bwd(dtypes, res, dy):
   _, x_dtype, w_dtype, had_x_fp8 = dtypes
-  xq, xs, wq, ws, sizes = res
+  xt, wq, ws, sizes, xq, xs = res
   wd = dequantize_weights_fp8(wq, ws)
   dx = _ragged(fake_quantize_rows(dy), jnp.transpose(wd, (0, 2, 1)), sizes)
-  xt = fake_quantize_columns(fp8.dequantize(xq, xs, jnp.float32))
   dyt = fake_quantize_columns(dy)
   _, wgrad = jax.vjp(lambda w_: _ragged(xt, w_, sizes), wd)
   (dw,) = wgrad(dyt)

@@ -75,6 +75,7 @@ def test_swiglu_compare_fp8_trains_both_precisions_from_the_same_start(tmp_path)
   assert result["args"]["activation"] == "swiglu"
   assert abs(result["fp8_final_loss_relative_difference"]
              - abs(f8[-1] - b16[-1]) / b16[-1]) < 1e-12
+  assert result["fp8_tail_mean_relative_difference"] >= 0
   assert json.loads(js.read_text())["runs"]["fp8"]["losses"] == f8
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

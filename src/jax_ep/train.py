@@ -235,8 +235,11 @@ def max_relative_difference(a: list[float], b: list[float], steps: int) -> float
   return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-12))) if n else 0.0
 
 
-def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> bool:
-  """Writes a loss-curve PNG; False (and a note) without matplotlib."""
+def plot_losses(curves: dict[str, list[float]], path: str, *, title: str,
+                log_y: bool = False) -> bool:
+  """Writes a loss-curve PNG (log_y: a logarithmic loss axis, where curves
+  that end close together are told apart); False (and a note) without
+  matplotlib."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -249,6 +252,8 @@ def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> boo
     ax.plot(np.arange(1, len(losses) + 1), losses, label=name)
   ax.set_xlabel("step")
   ax.set_ylabel("next-token cross-entropy")
+  if log_y:
+    ax.set_yscale("log")
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend()
@@ -377,10 +382,16 @@ def main(argv=None) -> dict:
         f"{min(args.compare_steps, args.steps)} steps: {diff:.3e}"
         + ("" if kernels else " (both runs used the reference: no CUDA kernels here)"))
   if args.compare_fp8:
-    b16, f8 = runs["bf16"]["losses"][-1], runs["fp8"]["losses"][-1]
-    result["fp8_final_loss_relative_difference"] = rel = abs(f8 - b16) / abs(b16)
-    finite = bool(np.all(np.isfinite(runs["fp8"]["losses"])))
-    log(f"final loss: bf16 {b16:.4f}, fp8 {f8:.4f}; relative difference {rel:.2%}"
+    b16, f8 = runs["bf16"]["losses"], runs["fp8"]["losses"]
+    result["fp8_final_loss_relative_difference"] = rel = abs(f8[-1] - b16[-1]) / abs(b16[-1])
+    # One step's loss is one batch's: the mean of the last tenth of the
+    # steps says more about where each run ended.
+    tail = max(1, len(b16) // 10)
+    mb, mf = float(np.mean(b16[-tail:])), float(np.mean(f8[-tail:]))
+    result["fp8_tail_mean_relative_difference"] = tail_rel = abs(mf - mb) / abs(mb)
+    finite = bool(np.all(np.isfinite(f8)))
+    log(f"final loss: bf16 {b16[-1]:.4f}, fp8 {f8[-1]:.4f}, relative difference {rel:.2%}; "
+        f"mean of the last {tail} steps: bf16 {mb:.4f}, fp8 {mf:.4f}, {tail_rel:.2%}"
         + ("" if finite else "; the FP8 run has non-finite losses"))
   if main_process:
     with open(args.json, "w") as f:
@@ -388,7 +399,8 @@ def main(argv=None) -> dict:
     written = [args.json]
     if not args.no_plot and plot_losses({k: r["losses"] for k, r in runs.items()}, args.plot,
                                         title=f"jax_ep.train on {len(devices)} x "
-                                              f"{devices[0].platform}"):
+                                              f"{devices[0].platform}",
+                                        log_y=args.compare_fp8):
       written.append(args.plot)
     log("wrote " + ", ".join(written))
   return result

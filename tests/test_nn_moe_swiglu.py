@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import oracle
 from conftest import RANKS, make_mesh
+from jax_ep import _native
 from jax_ep.mesh import place_replicated
 from jax_ep.nn import MoE
 from jax_ep.nn.moe import fuse_gate_up, shared_expert, swiglu
@@ -243,7 +244,8 @@ def test_swiglu_between_the_gemms_is_one_bf16_elementwise_pass():
   x = _tokens(mesh, 16, 64)
   graph, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(lambda state, x: nnx.merge(graph, state)(x))(state, x)
-  dots = [e.outvars[0].aval for e in _walk(jaxpr.jaxpr) if e.primitive.name.startswith("ragged_dot")]
+  dots = [e.outvars[0].aval for e in _walk(jaxpr.jaxpr)
+          if e.primitive.name.startswith("ragged_dot")]
   assert [d.shape[-1] for d in dots] == [96, 64], dots    # [M, 2F], then [M, H]
   assert all(d.dtype == jnp.bfloat16 for d in dots), dots
   h13 = jnp.zeros((256, 2 * 128), jnp.bfloat16)
@@ -252,6 +254,31 @@ def test_swiglu_between_the_gemms_is_one_bf16_elementwise_pass():
   assert entry.count("fusion(") == 1, entry
   assert re.search(r"parameter\(0\)", entry) and "bf16[256,256]" in entry
   assert "f32[" not in entry.split("ROOT")[1].splitlines()[0], entry
+
+
+@pytest.mark.skipif(not _native.cuda_built(),
+                    reason="the CUDA wrappers need jax_ep built with CUDA")
+def test_cuda_lowering_runs_the_swiglu_experts_as_six_bf16_grouped_gemm_calls():
+  """Forward + backward of the routed SwiGLU experts lowered for CUDA: two
+  forward grouped GEMM calls (the first writing [M, 2F] in bf16) and dx, dw
+  for each, no ragged_dot."""
+  from jax_ep.nn.moe import _Cfg, _experts
+  m, g, h, f = 64, 4, 128, 96
+  cfg = _Cfg(8, "ep", 8, None, jnp.bfloat16, False, activation="swiglu")
+
+  def loss(rows, w13, w2, counts):
+    return jnp.sum(_experts(rows, w13, w2, counts, cfg).astype(jnp.float32) ** 2)
+
+  args = (jax.ShapeDtypeStruct((m, h), jnp.bfloat16),
+          jax.ShapeDtypeStruct((g, h, 2 * f), jnp.bfloat16),
+          jax.ShapeDtypeStruct((g, f, h), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32))
+  checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm")]
+  text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                           disabled_checks=checks)(*args).mlir_module()
+  calls = [l for l in text.splitlines() if "custom_call @jax_ep_grouped_gemm" in l]
+  assert len(calls) == 6, len(calls)
+  assert "ragged_dot" not in text
+  assert any(f"tensor<{m}x{2 * f}xbf16>" in l.split("->")[-1] for l in calls), calls
 
 
 def _walk(jaxpr):

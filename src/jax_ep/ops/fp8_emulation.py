@@ -10,10 +10,8 @@ dequantised operands:
   dgrad    dx  = Q(dy, 1 x 128 along N) @ Q(w)^T (the same blocks, transposed)
   wgrad    dw  = Q(x, 128 x 1 along tokens)^T @ Q(dy, 128 x 1 along tokens)
 
-(x given as FP8 rows, Q(x, 128 x 1) is cast from their values).
-
 so that an FP8 training run can be judged on any backend before the kernels
-exist. The weights are master copies (f32 or bf16) cast to FP8 inside the
+exist (x given as FP8 rows, its 128 x 1 tiles are cast from their values). The weights are master copies (f32 or bf16) cast to FP8 inside the
 call; their gradient is straight through that cast (dw in w's dtype), and the
 activation gradient comes back in x's dtype (bf16 across dispatch/combine).
 

@@ -1,11 +1,13 @@
 """jax_ep.train (the example training run) on CPU: a short run lowers the
-loss and writes its JSON and PNG; the layer's options run through it; two
+loss and writes its JSON and PNG; the layer's options run through it (SwiGLU
+experts, bf16 against FP8 from the same start); --help shows the defaults; two
 processes (jax.distributed, gloo collectives, 4 CPU devices each) train in
 step with each other and with one process of 8 devices."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,6 +56,48 @@ def test_layer_options_and_compare_backends_run(tmp_path):
   # the plain reference (CI saw 2.9e-5 after 3 steps).
   assert result["max_relative_loss_difference"] < 1e-3
   assert js.exists() and not png.exists()
+
+
+def test_swiglu_compare_fp8_trains_both_precisions_from_the_same_start(tmp_path):
+  """--activation swiglu --compare-fp8: a bf16 and an FP8 run from the same
+  start and data, each one program, both curves in the JSON and the plot."""
+  js, png = tmp_path / "losses.json", tmp_path / "loss.png"
+  result = train.main(["--steps", "4", *TINY, "--hidden", "128", "--shared-ffn", "128",
+                       "--activation", "swiglu", "--compare-fp8", "--json", str(js),
+                       "--plot", str(png)])
+  runs = result["runs"]
+  assert set(runs) == {"bf16", "fp8"}
+  b16, f8 = runs["bf16"]["losses"], runs["fp8"]["losses"]
+  assert np.all(np.isfinite(b16)) and np.all(np.isfinite(f8))
+  assert b16[0] == f8[0] or abs(b16[0] - f8[0]) < 0.02 * b16[0]  # the same start
+  assert b16 != f8 and f8[-1] < f8[0]
+  assert all(r["compiled_programs"] == 1 for r in runs.values())
+  assert result["args"]["activation"] == "swiglu"
+  assert abs(result["fp8_final_loss_relative_difference"]
+             - abs(f8[-1] - b16[-1]) / b16[-1]) < 1e-12
+  assert result["fp8_tail_mean_relative_difference"] >= 0
+  assert json.loads(js.read_text())["runs"]["fp8"]["losses"] == f8
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_shows_every_default_and_fp8_comparisons_do_not_stack():
+  r = subprocess.run([sys.executable, "-m", "jax_ep.train", "--help"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+  assert r.returncode == 0, r.stderr[-2000:]
+  options = r.stdout.split("options:", 1)[1]
+  blocks = [" ".join(b.split()) for b in re.split(r"\n(?=  -)", options) if b.strip()]
+  flags = {b.split()[0]: b for b in blocks}
+  assert {"--activation", "--fp8", "--compare-fp8", "--steps"} <= set(flags)
+  for flag, block in flags.items():
+    assert flag == "-h," or "(default: " in block, block
+  assert "(default: gelu)" in flags["--activation"]
+  try:
+    train.main(["--compare-fp8", "--compare-backends", "--no-plot"])
+  except SystemExit as e:
+    assert "pick one" in str(e)
+  else:
+    raise AssertionError("--compare-fp8 with --compare-backends ran")
 
 
 def test_engram_run_carries_one_publication_per_step_and_compiles_once(tmp_path):

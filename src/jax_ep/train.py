@@ -1,6 +1,7 @@
 """Example training run: a small MoE transformer learns a synthetic sequence task.
 
     python -m jax_ep.train [--steps 30] [--backend reference] [--compare-backends] ...
+    python -m jax_ep.train --activation swiglu --fp8 [--compare-fp8] --hidden 1024 ...
 
 Token embedding + learned positions, `--layers` blocks of causal
 self-attention and a jax_ep.nn.MoE feed-forward (pre-RMSNorm, residuals), an
@@ -18,7 +19,12 @@ Runs on whatever devices exist: GPUs with the CUDA kernels when jax_ep was
 built with CUDA (a Communicator on the EP axis), else 8 virtual CPU devices
 with the pure-JAX reference. `--backend reference` forces the reference;
 `--compare-backends` trains twice from the same start, kernels and
-reference, and reports how far the loss curves drift apart. Several
+reference, and reports how far the loss curves drift apart.
+`--activation swiglu` gives the MoE layers SwiGLU experts; `--fp8` runs their
+expert GEMMs through FP8 (jax_ep.nn.MoE's precision="fp8"; hidden, ffn and
+shared-ffn multiples of 128); `--compare-fp8` trains bf16 and FP8 from the
+same start and data, reports the final losses' relative difference and
+plots both curves. Several
 processes: `--coordinator HOST:PORT --num-processes N --process-id I`
 (jax.distributed); only process 0 prints and writes files.
 """
@@ -148,16 +154,21 @@ def build_mesh(dp: int) -> Mesh:
 
 
 def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
-          log: Callable[..., None], show_bar: bool, label: str = "train") -> dict:
+          log: Callable[..., None], show_bar: bool, label: str = "train",
+          precision: Optional[str] = None) -> dict:
   """Trains from the seed's start for args.steps; returns the losses, the
   step times, the tokens per second (steady state) and how many programs the
-  step compiled."""
+  step compiled. precision: the MoE layers' ("bf16" / "fp8"; default from
+  args.fp8)."""
+  if precision is None:
+    precision = "fp8" if args.fp8 else "bf16"
   dp = "dp" in mesh.axis_names
   ep = mesh.shape["ep"]
   token_spec = P(("dp", "ep")) if dp else P("ep")
   moe_kwargs = dict(mesh=mesh, axis_name="ep", data_axis="dp" if dp else None, backend=backend,
                     score_fn=args.score_fn, shared_ffn=args.shared_ffn or None,
-                    fp8_dispatch=args.fp8_dispatch)
+                    fp8_dispatch=args.fp8_dispatch, activation=args.activation,
+                    precision=precision)
   experts = args.experts_per_rank * ep
   engram = None
   if args.engram:
@@ -224,8 +235,11 @@ def max_relative_difference(a: list[float], b: list[float], steps: int) -> float
   return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-12))) if n else 0.0
 
 
-def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> bool:
-  """Writes a loss-curve PNG; False (and a note) without matplotlib."""
+def plot_losses(curves: dict[str, list[float]], path: str, *, title: str,
+                log_y: bool = False) -> bool:
+  """Writes a loss-curve PNG (log_y: a logarithmic loss axis, where curves
+  that end close together are told apart); False (and a note) without
+  matplotlib."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -238,6 +252,8 @@ def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> boo
     ax.plot(np.arange(1, len(losses) + 1), losses, label=name)
   ax.set_xlabel("step")
   ax.set_ylabel("next-token cross-entropy")
+  if log_y:
+    ax.set_yscale("log")
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend()
@@ -248,29 +264,39 @@ def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> boo
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=30)
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--steps", type=int, default=30, help="training steps")
   p.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
   p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-  p.add_argument("--vocab", type=int, default=32)
-  p.add_argument("--hidden", type=int, default=64)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--vocab", type=int, default=32, help="vocabulary size")
+  p.add_argument("--hidden", type=int, default=64, help="model width H")
+  p.add_argument("--heads", type=int, default=4, help="attention heads")
+  p.add_argument("--layers", type=int, default=2, help="transformer blocks")
   p.add_argument("--ffn", type=int, default=128, help="expert width")
-  p.add_argument("--experts-per-rank", type=int, default=2)
-  p.add_argument("--topk", type=int, default=2)
-  p.add_argument("--score-fn", choices=("softmax", "sigmoid"), default="softmax")
+  p.add_argument("--experts-per-rank", type=int, default=2, help="routed experts per EP rank")
+  p.add_argument("--topk", type=int, default=2, help="experts per token")
+  p.add_argument("--score-fn", choices=("softmax", "sigmoid"), default="softmax",
+                 help="router scores")
   p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (0: none)")
   p.add_argument("--fp8-dispatch", action="store_true",
                  help="rows travel as FP8 (hidden must be a multiple of 128)")
+  p.add_argument("--activation", choices=("gelu", "swiglu"), default="gelu",
+                 help="the experts' activation (swiglu: fused gate/up weight w13)")
+  p.add_argument("--fp8", action="store_true",
+                 help="expert GEMMs through FP8, forward and backward (hidden, ffn, shared-ffn "
+                      "multiples of 128)")
+  p.add_argument("--compare-fp8", action="store_true",
+                 help="train bf16 and FP8 from the same start; report the final losses' "
+                      "relative difference and plot both curves")
   p.add_argument("--remat", action="store_true", help="recompute each block in the backward")
   p.add_argument("--engram", action="store_true",
                  help="add a jax_ep.nn.Engram layer after the embedding")
   p.add_argument("--engram-rows", type=int, default=1021, help="Engram rows per (order, head)")
   p.add_argument("--engram-dim", type=int, default=16, help="Engram row width D")
   p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x ep)")
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate")
+  p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
   p.add_argument("--backend", choices=tuple(BACKENDS), default="auto",
                  help="auto: CUDA kernels where they run, else the reference")
   p.add_argument("--compare-backends", action="store_true",
@@ -278,13 +304,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compare-steps", type=int, default=10,
                  help="steps over which --compare-backends takes the max relative difference")
   p.add_argument("--plot", default="train_loss.png", help="loss-curve PNG")
-  p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--no-plot", action="store_true", help="write no PNG")
   p.add_argument("--json", default="train_losses.json", help="losses and timings as JSON")
   p.add_argument("--cpu-devices", type=int, default=None,
-                 help="virtual CPU devices per process (default: JAX_NUM_CPU_DEVICES, else 8)")
+                 help="virtual CPU devices per process (None: JAX_NUM_CPU_DEVICES, else 8)")
   p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (jax.distributed)")
-  p.add_argument("--num-processes", type=int, default=None)
-  p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--num-processes", type=int, default=None, help="processes (jax.distributed)")
+  p.add_argument("--process-id", type=int, default=None, help="this process's index")
   return p.parse_args(argv)
 
 
@@ -312,6 +338,8 @@ def main(argv=None) -> dict:
   _start_jax(args)
   main_process = jax.process_index() == 0
   log = print if main_process else (lambda *a, **k: None)
+  if args.compare_fp8 and args.compare_backends:
+    raise SystemExit("--compare-fp8 and --compare-backends each train twice: pick one")
   mesh = build_mesh(args.dp)
   if args.batch % mesh.size:
     raise SystemExit(f"--batch {args.batch} must be a multiple of the {mesh.size} devices "
@@ -323,7 +351,8 @@ def main(argv=None) -> dict:
   devices = jax.devices()
   log(f"jax_ep train: {len(devices)} x {devices[0].platform} devices in {jax.process_count()} "
       f"process(es), mesh {dict(mesh.shape)}, {args.experts_per_rank * mesh.shape['ep']} experts "
-      f"top-{args.topk}, {args.layers} blocks, H={args.hidden}, {args.batch} x {args.seq} tokens "
+      f"top-{args.topk} ({args.activation}{', FP8' if args.fp8 else ''}), {args.layers} blocks, "
+      f"H={args.hidden}, {args.batch} x {args.seq} tokens "
       f"a step; MoE via {'CUDA kernels' if kernels and args.backend != 'reference' else 'pure-JAX reference'}")
   try:
     runs = {}
@@ -332,6 +361,10 @@ def main(argv=None) -> dict:
       runs[first] = train(args, mesh, backend=None, log=log, show_bar=main_process, label=first)
       runs["reference"] = train(args, mesh, backend="reference", log=log, show_bar=main_process,
                                 label="reference")
+    elif args.compare_fp8:
+      for precision in ("bf16", "fp8"):
+        runs[precision] = train(args, mesh, backend=BACKENDS[args.backend], log=log,
+                                show_bar=main_process, label=precision, precision=precision)
     else:
       name = "kernels" if kernels and args.backend != "reference" else "reference"
       runs[name] = train(args, mesh, backend=BACKENDS[args.backend], log=log,
@@ -348,13 +381,26 @@ def main(argv=None) -> dict:
     log(f"max relative loss difference, kernels vs reference, over the first "
         f"{min(args.compare_steps, args.steps)} steps: {diff:.3e}"
         + ("" if kernels else " (both runs used the reference: no CUDA kernels here)"))
+  if args.compare_fp8:
+    b16, f8 = runs["bf16"]["losses"], runs["fp8"]["losses"]
+    result["fp8_final_loss_relative_difference"] = rel = abs(f8[-1] - b16[-1]) / abs(b16[-1])
+    # One step's loss is one batch's: the mean of the last tenth of the
+    # steps says more about where each run ended.
+    tail = max(1, len(b16) // 10)
+    mb, mf = float(np.mean(b16[-tail:])), float(np.mean(f8[-tail:]))
+    result["fp8_tail_mean_relative_difference"] = tail_rel = abs(mf - mb) / abs(mb)
+    finite = bool(np.all(np.isfinite(f8)))
+    log(f"final loss: bf16 {b16[-1]:.4f}, fp8 {f8[-1]:.4f}, relative difference {rel:.2%}; "
+        f"mean of the last {tail} steps: bf16 {mb:.4f}, fp8 {mf:.4f}, {tail_rel:.2%}"
+        + ("" if finite else "; the FP8 run has non-finite losses"))
   if main_process:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
     written = [args.json]
     if not args.no_plot and plot_losses({k: r["losses"] for k, r in runs.items()}, args.plot,
                                         title=f"jax_ep.train on {len(devices)} x "
-                                              f"{devices[0].platform}"):
+                                              f"{devices[0].platform}",
+                                        log_y=args.compare_fp8):
       written.append(args.plot)
     log("wrote " + ", ".join(written))
   return result

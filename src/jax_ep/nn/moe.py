@@ -3,8 +3,10 @@
 Routing runs on the global, token-sharded activations (`route`); the expert
 part runs inside shard_map: dispatch (expert layout) -> two grouped matmuls
 on this rank's experts (jax_ep.grouped_matmul: tensor-core grouped kernels on
-GPU, `lax.ragged_dot` elsewhere) -> weighted combine, plus an optional shared
-expert (`shared_expert`, a dense MLP every token goes through).
+GPU, `lax.ragged_dot` elsewhere) with GELU or SwiGLU between them (`swiglu`)
+-> weighted combine, plus an optional shared expert (`shared_expert`, a dense
+MLP every token goes through). `precision="fp8"` runs every expert GEMM
+through FP8 casts (`expert_matmul`, the one place that choice is made).
 
 Tokens are split over the EP axis, or over a data axis and the EP axis
 together (`data_axis`); experts over the EP axis alone, replicated over the
@@ -26,9 +28,14 @@ from jax_ep import reference as _ref
 from jax_ep.ops.dispatch import combine, dispatch
 from jax_ep.ops.overlap import dispatch_done, dispatch_start, ordered_after
 from jax_ep.ops.grouped_gemm import grouped_matmul
+from jax_ep.ops.fp8_emulation import grouped_matmul_fp8_emulated
 from jax_ep.ops import regroup as _regroup
 
 SCORE_FNS = ("softmax", "sigmoid")
+WEIGHT_NAMES = ("w_in", "w_out", "w13", "w2", "shared_w_in", "shared_w_gate", "shared_w_out",
+                "shared_w13", "shared_w2")
+ACTIVATIONS = ("gelu", "swiglu")
+PRECISIONS = ("bf16", "fp8")
 
 
 # ------------------------------------------------------------------ routing
@@ -94,30 +101,95 @@ def route(logits: jax.Array, *, topk: int, score_fn: str = "softmax",
   return topk_idx.astype(jnp.int32), weights
 
 
-# ------------------------------------------------------------ shared expert
+# ------------------------------------------------------------ experts
+
+def swiglu(h13: jax.Array, dtype=None) -> jax.Array:
+  """silu(gate) * up of a fused gate/up product h13 [..., 2F] (gate the first
+  F columns, up the last F), in `dtype` (default h13's).
+
+  The upcast, the f32 math and the downcast are one expression, so XLA fuses
+  them into one elementwise pass that reads h13 and writes [..., F] in their
+  own dtypes: the f32 values never reach memory.
+  """
+  f = h13.shape[-1] // 2
+  gate = h13[..., :f].astype(jnp.float32)
+  up = h13[..., f:].astype(jnp.float32)
+  return (gate * jax.nn.sigmoid(gate) * up).astype(dtype or h13.dtype)
+
+
+def fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """The fused SwiGLU weight from its two halves: gate, up [..., H, F] ->
+  w13 [..., H, 2F] (gate first), as MoE(activation="swiglu") stores it.
+  Checkpoints in the Linear layout ([F, H] per expert) are transposed first."""
+  if gate.shape != up.shape:
+    raise ValueError(f"gate and up must have the same shape, got {list(gate.shape)} and "
+                     f"{list(up.shape)}")
+  return jnp.concatenate([gate, up], axis=-1)
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, precision: str = "bf16",
+                  out_dtype=None, backend: Optional[str] = None,
+                  x_fp8: Optional[tuple[jax.Array, jax.Array]] = None) -> jax.Array:
+  """The layer's expert GEMM (x [M, K] groups times w [G, K, N]) at its
+  precision; every expert matmul of the layer goes through here.
+
+  "bf16": jax_ep.grouped_matmul (the CUDA kernel for bf16 operands on GPU,
+  unless backend is "reference"). "fp8": activations cast to e4m3 per token
+  and 128 channels (or x_fp8, rows already in FP8), weights per 128 x 128
+  block, f32 accumulation; the backward casts dy the same way (dgrad) and x,
+  dy per 128 tokens (wgrad). For now that is the pure-JAX emulation
+  (jax_ep.ops.fp8_emulation) on every backend.
+  """
+  if precision == "fp8":
+    return grouped_matmul_fp8_emulated(x, w, group_sizes, x_fp8=x_fp8, out_dtype=out_dtype)
+  return grouped_matmul(x, w, group_sizes, out_dtype=out_dtype,
+                        backend="reference" if backend == "reference" else None)
+
+
+def _dense(x, w, *, precision: str, out_dtype):
+  """x [T, K] @ w [K, N] with f32 accumulation: XLA's dot in bf16, the FP8
+  expert GEMM (one group of every row) in fp8."""
+  if precision == "fp8":
+    sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    return expert_matmul(x, w[None], sizes, precision=precision, out_dtype=out_dtype)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
 
 def shared_expert(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
-                  w_gate: Optional[jax.Array] = None, *, dtype=jnp.bfloat16,
-                  out_dtype=jnp.float32) -> jax.Array:
+                  w_gate: Optional[jax.Array] = None, *, activation: str = "gelu",
+                  dtype=jnp.bfloat16, out_dtype=jnp.float32, precision: str = "bf16") -> jax.Array:
   """The shared expert: a dense MLP every token goes through.
 
-  plain: gelu(x @ w_in) @ w_out; gated: (gelu(x @ w_gate) * (x @ w_in)) @ w_out.
-  f32 accumulation; the hidden activations are rounded to `dtype` before the
-  second matmul, as the routed experts' are. Depends on nothing the dispatch
-  produces, so it can run while a dispatch is in flight.
+  gelu, plain: gelu(x @ w_in) @ w_out; gated: (gelu(x @ w_gate) * (x @ w_in))
+  @ w_out, the hidden activations rounded to `dtype` before the second
+  matmul, as the routed experts' are. swiglu: w_in is the fused gate/up
+  weight [H, 2Fs] and the result swiglu(x @ w_in) @ w_out, the first product
+  in `dtype` (as the routed SwiGLU experts compute it). f32 accumulation.
+  Depends on nothing the dispatch produces, so it can run while a dispatch
+  is in flight.
 
   Args:
-    x: [T, H] in dtype; w_in, w_gate: [H, Fs]; w_out: [Fs, H] (in dtype).
+    x: [T, H] in dtype; w_in, w_gate: [H, Fs] (swiglu: w_in [H, 2Fs], no
+      w_gate); w_out: [Fs, H] (in dtype).
+    precision: "bf16" or "fp8" (`expert_matmul`).
   Returns:
     [T, H] in out_dtype (f32 by default, so that adding it to the routed
     output rounds once).
   """
-  h = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
-  if w_gate is None:
-    h = jax.nn.gelu(h)
+  dense = functools.partial(_dense, precision=precision)
+  if activation == "swiglu":
+    if w_gate is not None:
+      raise ValueError("a SwiGLU shared expert takes its gate in w_in ([H, 2Fs], gate then up); "
+                       "w_gate must be None")
+    h = swiglu(dense(x, w_in, out_dtype=dtype), dtype)
   else:
-    h = jax.nn.gelu(jnp.dot(x, w_gate, preferred_element_type=jnp.float32)) * h
-  return jnp.dot(h.astype(dtype), w_out, preferred_element_type=jnp.float32).astype(out_dtype)
+    h = dense(x, w_in, out_dtype=jnp.float32)
+    if w_gate is None:
+      h = jax.nn.gelu(h)
+    else:
+      h = jax.nn.gelu(dense(x, w_gate, out_dtype=jnp.float32)) * h
+    h = h.astype(dtype)
+  return dense(h, w_out, out_dtype=out_dtype)
 
 
 # ------------------------------------------------------------ the layer
@@ -131,6 +203,8 @@ class _Cfg(NamedTuple):
   fp8: bool
   overlap: bool = False
   combine_layout: str = "expert"
+  activation: str = "gelu"
+  precision: str = "bf16"
 
 
 def _check_int(name: str, value, *, low: int = 1) -> None:
@@ -140,7 +214,8 @@ def _check_int(name: str, value, *, low: int = 1) -> None:
 
 def _check_config(*, hidden, ffn, num_experts, topk, mesh, axis_name, data_axis, score_fn,
                   routed_scaling_factor, num_groups, topk_groups, shared_ffn,
-                  fp8_dispatch) -> None:
+                  fp8_dispatch, activation="gelu", precision="bf16",
+                  param_dtype=jnp.float32) -> None:
   """ValueErrors naming the argument, before any array is made (an expert
   count the EP axis does not divide would otherwise surface as JAX's
   sharding error from the weights' device_put)."""
@@ -184,14 +259,61 @@ def _check_config(*, hidden, ffn, num_experts, topk, mesh, axis_name, data_axis,
     _check_int("shared_ffn", shared_ffn)
   if fp8_dispatch and hidden % _fp8.BLOCK:
     raise ValueError(f"fp8_dispatch needs hidden to be a multiple of {_fp8.BLOCK}, got {hidden}")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+  if precision == "fp8":
+    # The FP8 tiles are 128 channels wide and the weight blocks 128 x 128.
+    for name, value in (("hidden", hidden), ("ffn", ffn), ("shared_ffn", shared_ffn)):
+      if value is not None and value % _fp8.BLOCK:
+        raise ValueError(f"precision='fp8' needs {name} to be a multiple of {_fp8.BLOCK}, "
+                         f"got {value}")
+    if jnp.dtype(param_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError("precision='fp8' casts float32 or bfloat16 master weights to FP8; "
+                       f"param_dtype is {jnp.dtype(param_dtype)}")
 
 
 class MoE(nnx.Module):
   """y = sum_k w_k * Expert_{e_k}(x) [+ SharedExpert(x)], top-k routing.
 
+  Experts: activation="gelu": gelu(x @ w_in[e]) @ w_out[e], w_in [E, H, F],
+  w_out [E, F, H]. activation="swiglu" (DeepSeek-V3/V4, Qwen3-MoE, Mixtral):
+  (silu(x @ gate_e) * (x @ up_e)) @ down_e, stored as w13 [E, H, 2F], gate in
+  w13[e, :, :F] and up in w13[e, :, F:], and w2 [E, F, H] (down): one grouped
+  GEMM for w13 (out in `dtype`), then `swiglu` in one fused elementwise pass,
+  then one for w2.
+
+  Loading a checkpoint (Hugging Face layout: a Linear's weight is [out, in],
+  so each is transposed; `fuse_gate_up` builds w13):
+    DeepSeek-V3/V4, Qwen3-MoE: mlp.experts.{e}.gate_proj.weight [F, H] ->
+      w13[e, :, :F] (transposed), up_proj.weight [F, H] -> w13[e, :, F:],
+      down_proj.weight [H, F] -> w2[e] ([F, H]); mlp.gate.weight [E, H] ->
+      router [H, E] (DeepSeek-V3: score_fn="sigmoid", num_groups,
+      topk_groups, routed_scaling_factor; its e_score_correction_bias has no
+      counterpart here). DeepSeek's shared expert
+      (mlp.shared_experts.gate_proj / up_proj / down_proj) -> shared_w13
+      [H, 2Fs] / shared_w2 [Fs, H] the same way, shared_ffn = Fs. DeepSeek's
+      FP8 checkpoints store e4m3 weights with a scale per 128 x 128 block
+      (weight_scale_inv); dequantise them to load master weights.
+    Mixtral: block_sparse_moe.experts.{e}.w1.weight (gate) -> w13[e, :, :F],
+      w3.weight (up) -> w13[e, :, F:], w2.weight (down) -> w2[e], each
+      transposed; block_sparse_moe.gate.weight -> router (softmax top-2).
+
   Args:
     hidden: model width H; ffn: expert width F; num_experts: E (divisible by
       the EP axis size); topk: K.
+    activation: "gelu" (default) or "swiglu" (above). With "swiglu" the
+      shared expert, if any, is SwiGLU too (shared_gated changes nothing).
+    precision: "bf16" (default) or "fp8": every expert GEMM (routed and
+      shared) runs through FP8 casts, DeepSeek-V3's recipe: activations
+      e4m3 per token and 128 channels, weights per 128 x 128 block cast from
+      the master copy inside the step, f32 accumulation, the backward's
+      dgrad and wgrad through FP8 too (`expert_matmul`); the rows travel as
+      FP8 (fp8_dispatch) and go into the first GEMM as they arrived. hidden,
+      ffn and shared_ffn must be multiples of 128 and param_dtype float32 or
+      bfloat16. For now an emulation in pure JAX (dequantise, f32 matmul)
+      on every backend: it checks training quality, not speed.
     mesh, axis_name: experts are split over `axis_name`; tokens too.
     data_axis: a second mesh axis for data parallelism: tokens are split over
       (data_axis, axis_name) together, experts over `axis_name` and
@@ -248,11 +370,17 @@ class MoE(nnx.Module):
                routed_scaling_factor: float = 1.0, num_groups: Optional[int] = None,
                topk_groups: Optional[int] = None, shared_ffn: Optional[int] = None,
                shared_gated: bool = False, fp8_dispatch: bool = False,
-               overlap_shared: bool = False, combine_layout: Optional[str] = None, rngs: nnx.Rngs):
+               overlap_shared: bool = False, combine_layout: Optional[str] = None,
+               activation: str = "gelu", precision: str = "bf16", rngs: nnx.Rngs):
     _check_config(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk, mesh=mesh,
                   axis_name=axis_name, data_axis=data_axis, score_fn=score_fn,
                   routed_scaling_factor=routed_scaling_factor, num_groups=num_groups,
-                  topk_groups=topk_groups, shared_ffn=shared_ffn, fp8_dispatch=fp8_dispatch)
+                  topk_groups=topk_groups, shared_ffn=shared_ffn, fp8_dispatch=fp8_dispatch,
+                  activation=activation, precision=precision, param_dtype=param_dtype)
+    self.hidden, self.ffn, self.shared_ffn = hidden, ffn, shared_ffn
+    self.activation, self.precision = activation, precision
+    # FP8 experts take their rows as the FP8 dispatch delivers them.
+    fp8_dispatch = bool(fp8_dispatch) or precision == "fp8"
     self.num_experts, self.topk = num_experts, topk
     self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
     self.expert_alignment, self.backend, self.dtype = expert_alignment, backend, dtype
@@ -261,7 +389,7 @@ class MoE(nnx.Module):
     self.fp8_dispatch = bool(fp8_dispatch)
     if overlap_shared and (shared_ffn is None or fp8_dispatch):
       raise ValueError("overlap_shared needs a shared expert (shared_ffn) and a bf16 dispatch "
-                       "(fp8_dispatch=False)")
+                       "(fp8_dispatch=False, precision='bf16')")
     self.overlap_shared = bool(overlap_shared)
     if combine_layout is None:
       combine_layout = "rank" if mesh.shape[axis_name] > 1 else "expert"
@@ -279,20 +407,66 @@ class MoE(nnx.Module):
     # Drawn in this order so that a layer without the new parts gets the
     # same weights from the same seed as before.
     self.router = param(rngs.params(), (hidden, num_experts), replicated)
-    self.w_in = param(rngs.params(), (num_experts, hidden, ffn), split, expert_init, param_dtype)
-    self.w_out = param(rngs.params(), (num_experts, ffn, hidden), split, expert_init, param_dtype)
-    shared = {}
+    w = {}
+    if activation == "swiglu":
+      w["w13"] = param(rngs.params(), (num_experts, hidden, 2 * ffn), split, expert_init,
+                       param_dtype)
+      w["w2"] = param(rngs.params(), (num_experts, ffn, hidden), split, expert_init, param_dtype)
+    else:
+      w["w_in"] = param(rngs.params(), (num_experts, hidden, ffn), split, expert_init,
+                        param_dtype)
+      w["w_out"] = param(rngs.params(), (num_experts, ffn, hidden), split, expert_init,
+                         param_dtype)
     if shared_ffn is not None:
-      shared["shared_w_in"] = param(rngs.params(), (hidden, shared_ffn), replicated, init,
-                                    param_dtype)
-      if shared_gated:
-        shared["shared_w_gate"] = param(rngs.params(), (hidden, shared_ffn), replicated, init,
-                                        param_dtype)
-      shared["shared_w_out"] = param(rngs.params(), (shared_ffn, hidden), replicated, init,
+      if activation == "swiglu":
+        w["shared_w13"] = param(rngs.params(), (hidden, 2 * shared_ffn), replicated, init,
+                                param_dtype)
+        w["shared_w2"] = param(rngs.params(), (shared_ffn, hidden), replicated, init,
+                               param_dtype)
+      else:
+        w["shared_w_in"] = param(rngs.params(), (hidden, shared_ffn), replicated, init,
+                                 param_dtype)
+        if shared_gated:
+          w["shared_w_gate"] = param(rngs.params(), (hidden, shared_ffn), replicated, init,
                                      param_dtype)
+        w["shared_w_out"] = param(rngs.params(), (shared_ffn, hidden), replicated, init,
+                                  param_dtype)
     # Absent parts are None, data either way (nnx would take a None for static).
-    for name in ("shared_w_in", "shared_w_gate", "shared_w_out"):
-      setattr(self, name, nnx.data(shared.get(name)))
+    for name in WEIGHT_NAMES:
+      setattr(self, name, nnx.data(w.get(name)))
+
+  def _expert_weights(self) -> tuple[list, list]:
+    """(routed, shared) weights in the order _moe_shard takes them, each
+    checked against the layer's shapes (a checkpoint loaded into the layer
+    is checked here, before shard_map turns a wrong shape into its own
+    error)."""
+    e, h, f, fs = self.num_experts, self.hidden, self.ffn, self.shared_ffn
+    if self.activation == "swiglu":
+      routed = [("w13", (e, h, 2 * f)), ("w2", (e, f, h))]
+      shared = [("shared_w13", (h, 2 * fs)), ("shared_w2", (fs, h))] if fs else []
+    else:
+      routed = [("w_in", (e, h, f)), ("w_out", (e, f, h))]
+      shared = []
+      if fs:
+        shared = [("shared_w_in", (h, fs)), ("shared_w_out", (fs, h))]
+        if self.shared_w_gate is not None:
+          shared.append(("shared_w_gate", (h, fs)))
+    got = []
+    for names in (routed, shared):
+      arrays = []
+      for name, want in names:
+        a = getattr(self, name)[...]
+        if tuple(a.shape) != want:
+          what = {"w13": f"[E, H, 2F] = {list(want)} (gate then up: the last axis is 2F)",
+                  "shared_w13": f"[H, 2Fs] = {list(want)} (gate then up)"}.get(name, list(want))
+          raise ValueError(f"{name} must be {what}, got shape {list(a.shape)}")
+        if self.precision == "fp8" and a.dtype not in (jnp.dtype(jnp.float32),
+                                                       jnp.dtype(jnp.bfloat16)):
+          raise ValueError(f"{name}: precision='fp8' casts float32 or bfloat16 master weights to "
+                           f"FP8, got {a.dtype}")
+        arrays.append(a)
+      got.append(arrays)
+    return got[0], got[1]
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [..., H] tokens; the flattened token axis N is split over the EP
@@ -312,68 +486,83 @@ class MoE(nnx.Module):
         num_groups=self.num_groups, topk_groups=self.topk_groups,
         routed_scaling_factor=self.routed_scaling_factor)
     cfg = _Cfg(self.num_experts, self.axis_name, self.expert_alignment, self.backend, self.dtype,
-               self.fp8_dispatch, self.overlap_shared, self.combine_layout)
+               self.fp8_dispatch, self.overlap_shared, self.combine_layout, self.activation,
+               self.precision)
+    routed, shared = self._expert_weights()
+    # FP8 casts the master weights to its blocks itself; bf16 casts them to
+    # the compute dtype (a no-op when they are stored in it).
+    cast = (lambda w: w) if self.precision == "fp8" else (lambda w: w.astype(self.dtype))
     tokens = P(axes if len(axes) > 1 else axes[0])
-    args = [x2.astype(self.dtype), topk_idx, topk_weights,
-            self.w_in[...].astype(self.dtype), self.w_out[...].astype(self.dtype)]
+    args = [x2.astype(self.dtype), topk_idx, topk_weights, *map(cast, routed)]
     specs = [tokens, tokens, tokens, P(self.axis_name), P(self.axis_name)]
-    if self.shared_w_in is not None:
-      shared = [self.shared_w_in, self.shared_w_out]
-      if self.shared_w_gate is not None:
-        shared.append(self.shared_w_gate)
-      args += [w[...].astype(self.dtype) for w in shared]
-      specs += [P()] * len(shared)
+    args += map(cast, shared)
+    specs += [P()] * len(shared)
     f = _mesh.shard_map(functools.partial(_moe_shard, cfg=cfg), self.mesh,
                         axis_name=self.axis_name, in_specs=tuple(specs), out_specs=tokens)
     return f(*args).astype(x.dtype).reshape(shape)
 
 
 def _moe_shard(x, topk_idx, topk_weights, w_in, w_out, *shared, cfg: _Cfg):
-  """Per rank: x [T, H], topk_* [T, K], w_in [E_l, H, F], w_out [E_l, F, H],
-  shared: () or (w_in [H, Fs], w_out [Fs, H][, w_gate [H, Fs]]). -> [T, H]."""
+  """Per rank: x [T, H], topk_* [T, K], w_in [E_l, H, F] (swiglu: w13
+  [E_l, H, 2F]), w_out [E_l, F, H], shared: () or (w_in [H, Fs] (swiglu:
+  [H, 2Fs]), w_out [Fs, H][, w_gate [H, Fs]]). -> [T, H]."""
   by_rank = cfg.combine_layout == "rank"
   kw = dict(num_experts=cfg.num_experts, axis_name=cfg.axis_name,
             layout="rank" if by_rank else "expert", backend=cfg.backend)
   if not by_rank:
     kw["expert_alignment"] = cfg.expert_alignment
   dense = None
+  rows_fp8 = None
   if cfg.fp8:
-    out = _fp8_dispatch(x, topk_idx, topk_weights, cfg)
+    out, rows_fp8 = _fp8_dispatch(x, topk_idx, topk_weights, cfg)
+    if cfg.precision != "fp8":
+      rows_fp8 = None  # the experts take the dequantised rows
   elif cfg.overlap and shared:
     # The shared expert between start and done: on CUDA it computes while
     # the rows move (jax_ep.ops.overlap).
     pending = dispatch_start(x, topk_idx, topk_weights, **kw)
     pending, (x_s, shared) = ordered_after(pending, (x, tuple(shared)))
-    dense = shared_expert(x_s, shared[0], shared[1], *shared[2:], dtype=cfg.dtype)
+    dense = _shared(x_s, shared, cfg)
     out = dispatch_done(pending, after=dense)
   else:
     out = dispatch(x, topk_idx, topk_weights, **kw)
   if by_rank:
     g = _regroup.group_by_expert(out.recv_topk_idx, num_local_experts=w_in.shape[0],
                                  expert_alignment=cfg.expert_alignment)
-    y = _experts(_regroup.expert_rows(out.recv_x, g), w_in, w_out, g.counts, cfg)
+    if rows_fp8 is not None:
+      rows_fp8 = tuple(_regroup._gather_rows(a, g.source) for a in rows_fp8)
+    y = _experts(_regroup.expert_rows(out.recv_x, g), w_in, w_out, g.counts, cfg, rows_fp8)
     part = _regroup.sum_expert_rows(y, g, out.recv_topk_weights, cfg.dtype)
     routed = combine(part, out.handle, None, axis_name=cfg.axis_name, backend=cfg.backend)
   else:
-    y = _experts(out.recv_x, w_in, w_out, out.counts, cfg)
+    y = _experts(out.recv_x, w_in, w_out, out.counts, cfg, rows_fp8)
     routed = combine(y, out.handle, out.recv_topk_weights, axis_name=cfg.axis_name,
                      backend=cfg.backend)
   if not shared:
     return routed
   if dense is None:
-    s_in, s_out, *s_gate = shared
-    dense = shared_expert(x, s_in, s_out, *s_gate, dtype=cfg.dtype)
+    dense = _shared(x, shared, cfg)
   return (routed.astype(jnp.float32) + dense).astype(cfg.dtype)
 
 
-def _experts(rows, w_in, w_out, counts, cfg: _Cfg):
+def _shared(x, shared, cfg: _Cfg):
+  s_in, s_out, *s_gate = shared
+  return shared_expert(x, s_in, s_out, *s_gate, activation=cfg.activation, dtype=cfg.dtype,
+                       precision=cfg.precision)
+
+
+def _experts(rows, w_in, w_out, counts, cfg: _Cfg, rows_fp8=None):
   # The expert GEMMs need no communicator: the kernel runs wherever CUDA is
   # the platform and the operands are bf16 (else lax.ragged_dot), unless
   # the layer is told to use the reference.
-  gemm = functools.partial(grouped_matmul,
-                           backend="reference" if cfg.backend == "reference" else None)
-  h = gemm(rows, w_in, counts, out_dtype=jnp.float32)
-  h = jax.nn.gelu(h).astype(cfg.dtype)
+  gemm = functools.partial(expert_matmul, precision=cfg.precision, backend=cfg.backend)
+  if cfg.activation == "swiglu":
+    # The first GEMM writes its [M, 2F] in the compute dtype and swiglu
+    # reads it once: no f32 pass over HBM between the two GEMMs.
+    h = swiglu(gemm(rows, w_in, counts, out_dtype=cfg.dtype, x_fp8=rows_fp8), cfg.dtype)
+  else:
+    h = gemm(rows, w_in, counts, out_dtype=jnp.float32, x_fp8=rows_fp8)
+    h = jax.nn.gelu(h).astype(cfg.dtype)
   return gemm(h, w_out, counts, out_dtype=cfg.dtype)
 
 
@@ -394,11 +583,14 @@ def _fp8_dispatch_fwd(x, topk_idx, topk_weights, cfg: _Cfg):
   out = dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
                  axis_name=cfg.axis_name, fp8=True, backend=cfg.backend, **kw)
   q, scales = out.recv_x
+  # The FP8 rows come out too, for experts that take them as they are; the
+  # dequantised rows carry the gradient (and are dead code for those).
   out = out._replace(recv_x=_fp8.dequantize(q, scales, cfg.dtype))
-  return out, out.handle
+  return (out, (q, scales)), out.handle
 
 
-def _fp8_dispatch_bwd(cfg: _Cfg, handle, ct):
+def _fp8_dispatch_bwd(cfg: _Cfg, handle, cts):
+  ct = cts[0]
   dx = combine(ct.recv_x.astype(cfg.dtype), handle, None, axis_name=cfg.axis_name,
                backend=cfg.backend)
   dw = _ref.return_row_weights(ct.recv_topk_weights, handle, cfg.axis_name)

@@ -2,6 +2,7 @@
 reporting for the reference backend (run time, an exception naming the op)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -92,25 +93,114 @@ def check_sms(num_sms, recv_sms) -> tuple[int, int]:
   return int(num_sms or 0), int(recv_sms or 0)
 
 
-def raise_if(bad: jax.Array, message: str, *details: jax.Array, axis_name: str) -> None:
-  """Raises EpRuntimeError(message.format(*details)) when `bad` is true on any
-  rank of `axis_name` at run time.
+def raise_if(bad: jax.Array, message, *details: jax.Array, axis_name: str, carry: Any = (),
+             reduce: tuple[str, ...] = ()) -> Any:
+  """Raises EpRuntimeError(message) at run time when `bad` is true on any rank
+  of `axis_name`; returns `carry` (a pytree of arrays), which the check rides
+  on.
 
-  The flag and the details are reduced over the axis first (max), so every
-  rank raises at the same point: a rank that stopped alone would leave its
-  peers waiting in the next collective. The exception surfaces from the
-  jitted call (as a JaxRuntimeError whose text holds this message); the op's
-  outputs are never silently truncated data.
+  `message` is a format string for the details, or a function of their
+  values returning the text. The flag and the details are reduced over the
+  axis first (`reduce[i]` "max", the default, or "min"), so every rank raises
+  at the same point: a rank that stopped alone would leave its peers waiting
+  in the next collective.
+
+  In a program run here the check is a host callback: the exception
+  surfaces from the jitted call when a result is read, as a JaxRuntimeError
+  whose text holds this message. A host callback cannot be serialised, so in
+  a program lowered for `jax.export` the check is data instead: a failed
+  check makes every floating-point array of `carry` NaN (integer ones -1) on
+  every rank (docs/errors.md, "Exported programs"). Either way the op's
+  outputs are never silently truncated data. The check lives as long as one
+  array of `carry` is used: give it the op's payload.
   """
   from jax import lax
   bad = lax.pmax(jnp.asarray(bad, jnp.int32), axis_name)
-  details = tuple(lax.pmax(jnp.asarray(d), axis_name) for d in details)
-
-  def _cb(b, *d):
-    if int(b):
-      raise EpRuntimeError(message.format(*[np.asarray(v).tolist() for v in d]))
+  how = tuple(reduce) + ("max",) * (len(details) - len(reduce))
+  details = tuple(lax.pmin(jnp.asarray(d), axis_name) if r == "min" else
+                  lax.pmax(jnp.asarray(d), axis_name) for d, r in zip(details, how))
+  leaves, tree = jax.tree.flatten(carry)
   _quiet_reports()
-  jax.debug.callback(_cb, bad, *details)
+  out = _check_p.bind(bad, *details, *leaves, message=message, num_details=len(details))
+  return jax.tree.unflatten(tree, out)
+
+
+def format_report(message, details) -> str:
+  values = [np.asarray(v).tolist() for v in details]
+  return message(*values) if callable(message) else message.format(*values)
+
+
+def _report(message, bad, *details) -> None:
+  if int(bad):
+    raise EpRuntimeError(format_report(message, details))
+
+
+def _make_check_primitive():
+  """jax_ep_check(bad, *details, *carried) -> carried: identity on `carried`,
+  raising (host callback) or poisoning (exported programs) when `bad`."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import ad, batching, mlir
+
+  p = Primitive("jax_ep_check")
+  p.multiple_results = True
+
+  def split(args, num_details):
+    return args[0], args[1:1 + num_details], args[1 + num_details:]
+
+  def impl(*args, message, num_details):
+    bad, details, carried = split(args, num_details)
+    _report(message, bad, *details)
+    return list(carried)
+
+  def abstract_eval(*avals, message, num_details):
+    return list(split(avals, num_details)[2])
+
+  def raising(*args, message, num_details):
+    bad, details, carried = split(args, num_details)
+    jax.debug.callback(functools.partial(_report, message), bad, *details)
+    return list(carried)
+
+  def poisoning(*args, message, num_details):
+    bad, _, carried = split(args, num_details)
+    return [jnp.where(bad != 0, _poison(c), c) for c in carried]
+
+  def lowering(ctx, *args, message, num_details):
+    for_export = ctx.module_context.lowering_parameters.for_export
+    fun = poisoning if for_export else raising
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args, message=message,
+                                                     num_details=num_details)
+
+  def jvp(primals, tangents, *, message, num_details):
+    return p.bind(*primals, message=message, num_details=num_details), \
+        list(split(tangents, num_details)[2])
+
+  def batch(args, dims, *, message, num_details):
+    def unbatched(a, d):  # any element of the batch counts
+      return a if d is batching.not_mapped else jnp.max(a, axis=d)
+    bad, details, carried = split(args, num_details)
+    _, _, carried_dims = split(dims, num_details)
+    bad = unbatched(bad, dims[0])
+    details = [unbatched(a, d) for a, d in zip(details, dims[1:1 + num_details])]
+    out = p.bind(bad, *details, *carried, message=message, num_details=num_details)
+    return out, list(carried_dims)
+
+  p.def_impl(impl)
+  p.def_abstract_eval(abstract_eval)
+  mlir.register_lowering(p, lowering)
+  ad.primitive_jvps[p] = jvp
+  batching.primitive_batchers[p] = batch
+  return p
+
+
+def _poison(a: jax.Array) -> jax.Array:
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    return jnp.full_like(a, jnp.nan)
+  if a.dtype == jnp.bool_:
+    return jnp.zeros_like(a)
+  return jnp.full_like(a, -1)
+
+
+_check_p = _make_check_primitive()
 
 
 _QUIET = False

@@ -145,3 +145,54 @@ def ensure_registered() -> None:
 def nccl_version() -> tuple[int, int]:
   """(NCCL_VERSION_CODE jax_ep was compiled against, version of the loaded libnccl)."""
   return tuple(module().nccl_version())
+
+
+def shadow_message(package_dir: str, has_native: bool, installed_native: str | None) -> str | None:
+  """The warning for a jax_ep imported from `package_dir` without its native
+  module while an installed distribution's native module lies at
+  `installed_native` (a source tree ahead of the install on sys.path);
+  None when nothing is shadowed."""
+  import os
+  if has_native or installed_native is None:
+    return None
+  installed_dir = os.path.dirname(os.path.abspath(installed_native))
+  if os.path.realpath(installed_dir) == os.path.realpath(package_dir):
+    return None
+  return (f"jax_ep is imported from {package_dir}, which has no native module, while the "
+          f"installed jax_ep in {installed_dir} has one ({os.path.basename(installed_native)}): "
+          "a source tree on sys.path (the current directory, PYTHONPATH) shadows the installed "
+          "build, so the ops run the pure-JAX reference even where the CUDA kernels are built. "
+          "Run from another directory or take that path off sys.path.")
+
+
+def installed_native_path() -> str | None:
+  """Where the installed jax_ep distribution's native module lies, from its
+  record of files (no import), or None."""
+  import importlib.metadata as md
+  import os
+  try:
+    dist = md.distribution("jax_ep")
+  except md.PackageNotFoundError:
+    return None
+  for f in dist.files or ():
+    if f.parent.name == "jax_ep" and f.name.startswith("_jax_ep.") and f.suffix in (".so", ".pyd"):
+      path = str(dist.locate_file(f))
+      if os.path.exists(path):
+        return path
+  return None
+
+
+def warn_if_shadowed(package_dir: str) -> None:
+  """Called once at import: costs a module lookup (no load), and the
+  distribution lookup only when the native module is missing."""
+  import importlib.util
+  try:
+    has_native = importlib.util.find_spec("jax_ep._jax_ep") is not None
+  except (ImportError, ValueError):
+    has_native = False
+  if has_native:
+    return
+  msg = shadow_message(package_dir, has_native, installed_native_path())
+  if msg:
+    import warnings
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -248,18 +248,20 @@ def plot_losses(curves: dict[str, list[float]], path: str, *, title: str) -> boo
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=30)
+  p = argparse.ArgumentParser(prog="python -m jax_ep.train", description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--steps", type=int, default=30, help="optimizer steps")
   p.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
   p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-  p.add_argument("--vocab", type=int, default=32)
-  p.add_argument("--hidden", type=int, default=64)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--vocab", type=int, default=32, help="vocabulary size")
+  p.add_argument("--hidden", type=int, default=64, help="model width H")
+  p.add_argument("--heads", type=int, default=4, help="attention heads")
+  p.add_argument("--layers", type=int, default=2, help="transformer blocks")
   p.add_argument("--ffn", type=int, default=128, help="expert width")
-  p.add_argument("--experts-per-rank", type=int, default=2)
-  p.add_argument("--topk", type=int, default=2)
-  p.add_argument("--score-fn", choices=("softmax", "sigmoid"), default="softmax")
+  p.add_argument("--experts-per-rank", type=int, default=2, help="experts on each EP rank")
+  p.add_argument("--topk", type=int, default=2, help="experts per token")
+  p.add_argument("--score-fn", choices=("softmax", "sigmoid"), default="softmax",
+                 help="router scores")
   p.add_argument("--shared-ffn", type=int, default=0, help="shared expert width (0: none)")
   p.add_argument("--fp8-dispatch", action="store_true",
                  help="rows travel as FP8 (hidden must be a multiple of 128)")
@@ -269,8 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--engram-rows", type=int, default=1021, help="Engram rows per (order, head)")
   p.add_argument("--engram-dim", type=int, default=16, help="Engram row width D")
   p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x ep)")
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate")
+  p.add_argument("--seed", type=int, default=0, help="parameters and data")
   p.add_argument("--backend", choices=tuple(BACKENDS), default="auto",
                  help="auto: CUDA kernels where they run, else the reference")
   p.add_argument("--compare-backends", action="store_true",
@@ -278,13 +280,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compare-steps", type=int, default=10,
                  help="steps over which --compare-backends takes the max relative difference")
   p.add_argument("--plot", default="train_loss.png", help="loss-curve PNG")
-  p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--no-plot", action="store_true", help="write no PNG")
   p.add_argument("--json", default="train_losses.json", help="losses and timings as JSON")
   p.add_argument("--cpu-devices", type=int, default=None,
-                 help="virtual CPU devices per process (default: JAX_NUM_CPU_DEVICES, else 8)")
+                 help="virtual CPU devices per process; None: JAX_NUM_CPU_DEVICES, else 8")
   p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (jax.distributed)")
-  p.add_argument("--num-processes", type=int, default=None)
-  p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--num-processes", type=int, default=None, help="with --coordinator")
+  p.add_argument("--process-id", type=int, default=None, help="with --coordinator")
   return p.parse_args(argv)
 
 

@@ -383,9 +383,10 @@ def test_bad_ids_on_both_sides_are_both_reported():
 
 def test_combine_with_the_handle_of_another_dispatch_is_a_value_error_naming_handle():
     """Two dispatches of the same shapes: their handles differ only in
-    values, so y and the weights of one with the handle of the other would
-    combine silently into wrong sums. The handle and the weights each know
-    the dispatch that made them."""
+    values, so y or the weights of one with the handle of the other would
+    combine silently into wrong sums. The handle, the rows, the weights and
+    the counts each know the dispatch that made them (grouped_matmul's
+    result that of its group sizes)."""
     R, T, K, E, H = 2, 8, 2, 8, 128
     x, idx, w = _inputs(R, T, K, E, H, seed=44)
     idx2 = np.roll(idx, 1, axis=1)
@@ -393,10 +394,29 @@ def test_combine_with_the_handle_of_another_dispatch_is_a_value_error_naming_han
     def fn(x, i, i2, w):
         a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
         b = jax_ep.dispatch(x, i2, w, num_experts=E, layout="expert")
-        return jax_ep.combine(a.recv_x, b.handle, a.recv_topk_weights)
+        return jax_ep.combine(a.recv_x * 2, b.handle, a.recv_topk_weights)  # y: unknown
 
-    with pytest.raises(ValueError, match="handle.*different dispatches"):
+    with pytest.raises(ValueError, match="handle and weights come from two different dispatches"):
         run_sharded(R, fn, x, idx, idx2, w)
+
+    def rows_only(x, i, i2, w):                 # y straight from the other dispatch, no weights
+        a = jax_ep.dispatch(x, i, w, num_experts=E)
+        b = jax_ep.dispatch(x, i2, w, num_experts=E)
+        return jax_ep.combine(a.recv_x, b.handle)
+
+    with pytest.raises(ValueError, match="handle and y come from two different dispatches"):
+        run_sharded(R, rows_only, x, idx, idx2, w)
+
+    def through_experts(x, i, i2, w):           # y made by the expert GEMMs on a's rows
+        import jax.numpy as jnp
+        a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
+        b = jax_ep.dispatch(x, i2, w, num_experts=E, layout="expert")
+        ws = jnp.ones((E // R, H, H), x.dtype)
+        y = jax_ep.grouped_matmul(a.recv_x, ws, a.counts)
+        return jax_ep.combine(y, b.handle, b.recv_topk_weights)
+
+    with pytest.raises(ValueError, match="handle and y come from two different dispatches"):
+        run_sharded(R, through_experts, x, idx, idx2, w)
 
     def same(x, i, i2, w):
         a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")

@@ -3,11 +3,14 @@ reporting for the reference backend (run time, an exception naming the op)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad, batching, mlir
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -135,61 +138,37 @@ def _report(message, bad, *details) -> None:
     raise EpRuntimeError(format_report(message, details))
 
 
-def _make_check_primitive():
-  """jax_ep_check(bad, *details, *carried) -> carried: identity on `carried`,
-  raising (host callback) or poisoning (exported programs) when `bad`."""
-  from jax.extend.core import Primitive
-  from jax.interpreters import ad, batching, mlir
+# jax_ep_check(bad, *details, *carried) -> carried: the identity on
+# `carried`, raising (a host callback) or poisoning (exported programs) when
+# `bad`. A primitive of its own so that the choice is made where it can be:
+# at lowering, which knows whether the program is being exported.
+_check_p = jax.extend.core.Primitive("jax_ep_check")
+_check_p.multiple_results = True
 
-  p = Primitive("jax_ep_check")
-  p.multiple_results = True
 
-  def split(args, num_details):
-    return args[0], args[1:1 + num_details], args[1 + num_details:]
+def _split(args, num_details):
+  return args[0], args[1:1 + num_details], args[1 + num_details:]
 
-  def impl(*args, message, num_details):
-    bad, details, carried = split(args, num_details)
-    _report(message, bad, *details)
-    return list(carried)
 
-  def abstract_eval(*avals, message, num_details):
-    return list(split(avals, num_details)[2])
+def _check_impl(*args, message, num_details):
+  bad, details, carried = _split(args, num_details)
+  _report(message, bad, *details)
+  return list(carried)
 
-  def raising(*args, message, num_details):
-    bad, details, carried = split(args, num_details)
-    jax.debug.callback(functools.partial(_report, message), bad, *details)
-    return list(carried)
 
-  def poisoning(*args, message, num_details):
-    bad, _, carried = split(args, num_details)
-    return [jnp.where(bad != 0, _poison(c), c) for c in carried]
+def _check_abstract_eval(*avals, message, num_details):
+  return list(_split(avals, num_details)[2])
 
-  def lowering(ctx, *args, message, num_details):
-    for_export = ctx.module_context.lowering_parameters.for_export
-    fun = poisoning if for_export else raising
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args, message=message,
-                                                     num_details=num_details)
 
-  def jvp(primals, tangents, *, message, num_details):
-    return p.bind(*primals, message=message, num_details=num_details), \
-        list(split(tangents, num_details)[2])
+def _raising(*args, message, num_details):
+  bad, details, carried = _split(args, num_details)
+  jax.debug.callback(functools.partial(_report, message), bad, *details)
+  return list(carried)
 
-  def batch(args, dims, *, message, num_details):
-    def unbatched(a, d):  # any element of the batch counts
-      return a if d is batching.not_mapped else jnp.max(a, axis=d)
-    bad, details, carried = split(args, num_details)
-    _, _, carried_dims = split(dims, num_details)
-    bad = unbatched(bad, dims[0])
-    details = [unbatched(a, d) for a, d in zip(details, dims[1:1 + num_details])]
-    out = p.bind(bad, *details, *carried, message=message, num_details=num_details)
-    return out, list(carried_dims)
 
-  p.def_impl(impl)
-  p.def_abstract_eval(abstract_eval)
-  mlir.register_lowering(p, lowering)
-  ad.primitive_jvps[p] = jvp
-  batching.primitive_batchers[p] = batch
-  return p
+def _poisoning(*args, message, num_details):
+  bad, _, carried = _split(args, num_details)
+  return [jnp.where(bad != 0, _poison(c), c) for c in carried]
 
 
 def _poison(a: jax.Array) -> jax.Array:
@@ -200,7 +179,63 @@ def _poison(a: jax.Array) -> jax.Array:
   return jnp.full_like(a, -1)
 
 
-_check_p = _make_check_primitive()
+def _check_lowering(ctx, *args, message, num_details):
+  fun = _poisoning if ctx.module_context.lowering_parameters.for_export else _raising
+  return mlir.lower_fun(fun, multiple_results=True)(ctx, *args, message=message,
+                                                   num_details=num_details)
+
+
+def _check_jvp(primals, tangents, *, message, num_details):
+  out = _check_p.bind(*primals, message=message, num_details=num_details)
+  return out, list(_split(tangents, num_details)[2])
+
+
+def _check_batch(args, dims, *, message, num_details):
+  def unbatched(a, d):  # any element of the batch counts
+    return a if d is batching.not_mapped else jnp.max(a, axis=d)
+  bad, details, carried = _split(args, num_details)
+  bad = unbatched(bad, dims[0])
+  details = [unbatched(a, d) for a, d in zip(details, dims[1:1 + num_details])]
+  out = _check_p.bind(bad, *details, *carried, message=message, num_details=num_details)
+  return out, list(_split(dims, num_details)[2])
+
+
+_check_p.def_impl(_check_impl)
+_check_p.def_abstract_eval(_check_abstract_eval)
+mlir.register_lowering(_check_p, _check_lowering)
+ad.primitive_jvps[_check_p] = _check_jvp
+batching.primitive_batchers[_check_p] = _check_batch
+
+
+# ------------------------------------------------ which dispatch made an array
+
+# By object identity, weakly (nothing is kept alive): combine(y, handle,
+# weights) with y or weights from one dispatch and the handle of another is
+# a mix-up no array value shows (same shapes, valid rows); identity shows it
+# at trace time for free. Arrays that went through other code first (a jit
+# boundary, an optimisation barrier, an elementwise op) are unknown and not
+# checked; grouped_matmul passes its group sizes' origin on to its result.
+_MADE_BY: dict[int, tuple] = {}
+
+
+def note_origin(a: Any, origin: int) -> None:
+  if isinstance(a, jax.Array):  # tracers are jax.Arrays too
+    key = id(a)
+    _MADE_BY[key] = (weakref.ref(a, lambda _, k=key: _MADE_BY.pop(k, None)), origin)
+
+
+def origin_of(a: Any) -> Optional[int]:
+  """The origin noted for this very object, or None."""
+  got = _MADE_BY.get(id(a))
+  return got[1] if got is not None and got[0]() is a else None
+
+
+def same_origin(result: Any, source: Any) -> Any:
+  """result, noted as made by whatever made `source`."""
+  origin = origin_of(source)
+  if origin is not None:
+    note_origin(result, origin)
+  return result
 
 
 _QUIET = False

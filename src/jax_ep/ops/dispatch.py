@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Any, Optional
 
 import jax
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_ep import reference as ref
 from jax_ep._checks import (check_positive, check_routing, check_sms, check_x, is_fp8_pair,
-                            raise_if)
+                            note_origin, origin_of, raise_if)
 from jax_ep._types import DispatchHandle, DispatchOutput
 from jax_ep.ops import _backend
 
@@ -86,39 +85,27 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
   return _remember(_dispatch_vjp(cfg, x, topk_idx, topk_weights, handle))
 
 
-# Which dispatch made each recent result, by object identity (weak, so
-# nothing is kept alive): combine(y, handle, weights) with the
-# recv_topk_weights of one dispatch and the handle of another is a mix-up
-# that no array value shows (same shapes, valid rows); identity shows it at
-# trace time for free. Arrays that went through other code (a jit boundary,
-# an optimisation barrier) are unknown here and not checked.
-_MADE_BY: dict[int, tuple] = {}
-
-
 def _remember(out: DispatchOutput) -> DispatchOutput:
-  handle_key = out.handle.recv_src_rank
-  for a in (out.recv_topk_weights, handle_key):
-    if a is not None:
-      key = id(a)
-      _MADE_BY[key] = (weakref.ref(a, lambda _, k=key: _MADE_BY.pop(k, None)), id(handle_key))
+  """out, its arrays noted as this dispatch's (see _check_same_dispatch)."""
+  origin = id(out.handle.recv_src_rank)
+  for a in (out.recv_x, out.recv_topk_weights, out.counts, out.handle.recv_src_rank):
+    note_origin(a, origin)
   return out
 
 
-def _made_by(a) -> Optional[int]:
-  """The id of the handle of the dispatch that returned `a`, or None."""
-  got = _MADE_BY.get(id(a))
-  return got[1] if got is not None and got[0]() is a else None
-
-
-def _check_handle_matches_weights(handle: DispatchHandle, weights) -> None:
-  if weights is None:
+def _check_same_dispatch(handle: DispatchHandle, y, weights) -> None:
+  """ValueError when y or weights is known to come from another dispatch
+  than handle (by object identity: free, and silent where unknown)."""
+  h_from = origin_of(handle.recv_src_rank)
+  if h_from is None:
     return
-  w_from, h_from = _made_by(weights), _made_by(handle.recv_src_rank)
-  if w_from is not None and h_from is not None and w_from != h_from:
-    raise ValueError("handle and weights come from two different dispatches: weights is the "
-                     "recv_topk_weights of one, handle the handle of another; pass the handle "
-                     "of the dispatch whose rows y holds (combine(y, out.handle, "
-                     "out.recv_topk_weights))")
+  for name, a in (("y", y), ("weights", weights)):
+    a_from = None if a is None else origin_of(a)
+    if a_from is not None and a_from != h_from:
+      raise ValueError(f"handle and {name} come from two different dispatches: {name} holds "
+                       "the rows of one, handle is the handle of another; pass the handle of "
+                       "the dispatch whose rows y holds (combine(y, out.handle, "
+                       "out.recv_topk_weights))")
 
 
 def _dispatch_cfg(x, topk_idx, topk_weights, *, num_experts, axis_name, layout, capacity,
@@ -199,7 +186,7 @@ def _combine_cfg(y, handle, weights, *, axis_name, backend) -> _Cfg:
   _backend.check_backend(backend)
   if not isinstance(handle, DispatchHandle):
     raise ValueError(f"handle must be a DispatchHandle from dispatch, got {type(handle).__name__}")
-  _check_handle_matches_weights(handle, weights)
+  _check_same_dispatch(handle, y, weights)
   c = handle.capacity
   if y.ndim != 2 or y.shape[0] != c:
     raise ValueError(f"y must be [C={c}, H] (the dispatch capacity), got shape {list(y.shape)}")

@@ -480,3 +480,18 @@ def test_nn_moe_given_another_width_is_a_value_error_naming_x():
     layer = jax_ep.nn.MoE(16, 32, 4, 2, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., hidden=16\].*\[8, 24\]"):
         layer(jnp.zeros((8, 24), jnp.float32))
+
+
+def test_the_check_passes_its_payload_through_vmap_grad_and_jvp_and_fires_per_batch_element():
+    import jax.numpy as jnp
+    from jax_ep import _checks
+    f = lambda b, d, x: _checks._check_p.bind(b, d, x, message="jax_ep test: bad {}",  # noqa: E731
+                                              num_details=1)[0]
+    x = jnp.arange(6.0).reshape(3, 2)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(f))(jnp.zeros(3, jnp.int32), jnp.arange(3), x), x)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bad 2"):
+        np.asarray(jax.jit(jax.vmap(f))(jnp.array([0, 1, 0], jnp.int32), jnp.arange(3), x))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(f(jnp.int32(0), jnp.int32(0), v) ** 2)))(x[1])
+    np.testing.assert_array_equal(g, 2 * x[1])
+    _, t = jax.jvp(lambda v: f(jnp.int32(0), jnp.int32(0), v), (x[0],), (x[2],))
+    np.testing.assert_array_equal(t, x[2])

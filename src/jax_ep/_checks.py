@@ -192,7 +192,7 @@ def _check_jvp(primals, tangents, *, message, num_details):
 
 def _check_batch(args, dims, *, message, num_details):
   def unbatched(a, d):  # any element of the batch counts
-    return a if d is batching.not_mapped else jnp.max(a, axis=d)
+    return jnp.max(a, axis=d) if isinstance(d, int) else a
   bad, details, carried = _split(args, num_details)
   bad = unbatched(bad, dims[0])
   details = [unbatched(a, d) for a, d in zip(details, dims[1:1 + num_details])]

@@ -115,7 +115,7 @@ def test_an_exported_dispatch_with_a_bad_id_delivers_nan_rows_on_every_rank():
   x = jax.device_put(jnp.ones((R * T, H), jnp.bfloat16), tokens)
   idx = np.zeros((R * T, K), np.int32)
   idx[:, 1] = 2                               # every token: expert 0 (rank 0) and 2 (rank 1)
-  good = jax.device_put(idx, tokens)
+  good = jax.device_put(idx.copy(), tokens)   # (CPU device_put may alias the host array)
   idx[T + 1, 0] = -2                          # on rank 1
   bad = jax.device_put(idx, tokens)
   exported = jax.export.deserialize(jax.export.export(f)(x, good).serialize())

@@ -106,18 +106,24 @@ def _valid_ids(topk_idx: Array, num_experts: int) -> Array:
 def _check_ids(op: str, topk_idx: Array, num_experts: int, axis_name: str, carry: Any) -> Any:
   """`carry` (the op's payload), checked: a run-time error naming the bad
   ids if any is outside [-1, num_experts)."""
-  bad_mask = (topk_idx < -1) | (topk_idx >= num_experts)
-  lo = jnp.min(jnp.where(bad_mask, topk_idx, jnp.iinfo(jnp.int32).max), initial=jnp.iinfo(jnp.int32).max)
-  hi = jnp.max(jnp.where(bad_mask, topk_idx, jnp.iinfo(jnp.int32).min), initial=jnp.iinfo(jnp.int32).min)
-  return raise_if(jnp.any(bad_mask), functools.partial(_bad_ids_text, op, num_experts), lo, hi,
+  return _check_range(op, "expert id", "topk_idx", topk_idx, num_experts, axis_name, carry)
+
+
+def _check_range(op: str, what: str, name: str, values: Array, limit: int, axis_name: str,
+                 carry: Any) -> Any:
+  """`carry`, checked: a run-time error when a value is outside [-1, limit),
+  naming the smallest and largest such value over the ranks."""
+  bad = (values < -1) | (values >= limit)
+  big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+  lo = jnp.min(jnp.where(bad, values, big), initial=big)
+  hi = jnp.max(jnp.where(bad, values, small), initial=small)
+  return raise_if(jnp.any(bad), functools.partial(_range_text, op, what, name, limit), lo, hi,
                   axis_name=axis_name, carry=carry, reduce=("min", "max"))
 
 
-def _bad_ids_text(op: str, num_experts: int, lo: int, hi: int) -> str:
-  """lo / hi: the smallest and largest bad id over the ranks."""
-  got = f"{lo}" if lo == hi else f"{lo} and {hi}" if lo < -1 < num_experts <= hi else f"{lo} .. {hi}"
-  return (f"jax_ep {op}: expert id outside [-1, {num_experts}) in topk_idx "
-          f"(got {got}; -1 means no expert)")
+def _range_text(op: str, what: str, name: str, limit: int, lo: int, hi: int) -> str:
+  got = f"{lo}" if lo == hi else f"{lo} and {hi}" if lo < -1 < limit <= hi else f"{lo} .. {hi}"
+  return f"jax_ep {op}: {what} outside [-1, {limit}) in {name} (got {got}; -1 means none)"
 
 
 def _rank_of(topk_idx: Array, num_experts: int, num_ranks: int) -> Array:
@@ -431,12 +437,7 @@ def engram_fetch_start(table: Array, indices: Array, *, axis_name: str,
   r = lax.axis_index(axis_name)
   v_l = table.shape[0]
   v = v_l * num_ranks
-  bad = (indices < -1) | (indices >= v)
-  table = raise_if(jnp.any(bad), f"jax_ep engram_fetch: row index outside [-1, {v}) "
-                   "(got {} .. {}; -1 means no row)",
-                   jnp.min(jnp.where(bad, indices, jnp.iinfo(jnp.int32).max), initial=jnp.iinfo(jnp.int32).max),
-                   jnp.max(jnp.where(bad, indices, jnp.iinfo(jnp.int32).min), initial=jnp.iinfo(jnp.int32).min),
-                   axis_name=axis_name, carry=table, reduce=("min", "max"))
+  table = _check_range("engram_fetch", "row index", "indices", indices, v, axis_name, table)
   req = _gather(indices, axis_name)                                     # [R, T, e]
   mine = (req >= 0) & (req // v_l == r)
   resp = _take_rows(table, jnp.where(mine, req - r * v_l, v_l).reshape(-1))

@@ -17,12 +17,19 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 def test_the_message_names_both_paths_only_when_a_build_is_shadowed(tmp_path):
   here = str(tmp_path / "checkout" / "jax_ep")
-  so = str(tmp_path / "site" / "jax_ep" / "_jax_ep.so")
-  msg = _native.shadow_message(here, False, so)
-  assert here in msg and str(tmp_path / "site" / "jax_ep") in msg and "shadows" in msg
-  assert _native.shadow_message(here, True, so) is None          # this tree has its module
-  assert _native.shadow_message(here, False, None) is None       # nothing installed
-  assert _native.shadow_message(os.path.dirname(so), False, so) is None  # the same place
+  (tmp_path / "site" / "jax_ep").mkdir(parents=True)
+  so = tmp_path / "site" / "jax_ep" / "_jax_ep.so"
+  so.write_bytes(b"")
+  msg = _native.shadow_message(here, None, str(so))
+  assert here in msg and str(so.parent) in msg and "has no native module" in msg
+  assert _native.shadow_message(here, None, None) is None              # nothing installed
+  assert _native.shadow_message(str(so.parent), None, str(so)) is None  # the same place
+  assert _native.shadow_message(here, str(so), str(so)) is None         # editable: the same module
+  (tmp_path / "checkout" / "jax_ep").mkdir(parents=True)
+  own = tmp_path / "checkout" / "jax_ep" / "_jax_ep.so"
+  own.write_bytes(b"")
+  msg = _native.shadow_message(here, str(own), str(so))                 # an in-place build
+  assert str(own) in msg and "is not the installed one" in msg and str(so.parent) in msg
 
 
 def _fake_install(site: pathlib.Path) -> pathlib.Path:

@@ -47,7 +47,7 @@ export JAX_EP_CUDA=ON
 export JAX_EP_TESTING=ON   # the virtual-rank harness and the probe the GPU tests use
 
 status=0
-build="FAIL"; versions="FAIL"; tests="not run"; bench_failed=""; bench_ran=0
+build="FAIL"; build_ok=no; versions="FAIL"; tests="not run"; bench_failed=""; bench_ran=0
 
 # Pack and summarise on every exit, also when the device call's time limit
 # (timeout's TERM) cuts the run short: what ran still comes back.
@@ -127,12 +127,47 @@ if ! "$PY" -c "import cutlass_library" 2>/dev/null; then
   done
 fi
 
+# The editable build runs without isolation (the venv's jax, NCCL and CUTLASS
+# headers are what it must build against), so pyproject's build requirements
+# must be in this venv; the README's install (with isolation) leaves
+# scikit-build-core and nanobind out. Install what is missing (from .whl/
+# first: the GPU machine is offline); where that fails, an installed CUDA
+# build of jax_ep is used as it is.
+missing_build_requirements() {
+  "$PY" - <<'PYEOF'
+import importlib.metadata as md, re
+text = open("pyproject.toml").read()
+reqs = re.search(r"\[build-system\][^\[]*?requires\s*=\s*\[(.*?)\]", text, re.S).group(1)
+for req in re.findall(r'"([^"]+)"', reqs):
+    name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0)
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(req)
+PYEOF
+}
+mapfile -t need < <(missing_build_requirements)
+if [ "${#need[@]}" -gt 0 ]; then
+  note "installing the build requirements this venv lacks: ${need[*]}"
+  "$PY" -m pip install -q --no-index --find-links .whl "${need[@]}" >>"$LOGS/build.log" 2>&1 ||
+    "$PY" -m pip install -q "${need[@]}" >>"$LOGS/build.log" 2>&1 || true
+  mapfile -t need < <(missing_build_requirements)
+fi
+
 note "build (JAX_EP_CUDA=ON JAX_EP_TESTING=ON)"
-if "$PY" -m pip install --no-build-isolation --no-deps -e . >"$LOGS/build.log" 2>&1; then
+if [ "${#need[@]}" -gt 0 ]; then
+  if "$PY" -c "import sys, jax_ep; sys.exit(0 if jax_ep._native.cuda_built() else 1)" 2>/dev/null; then
+    build="ok (not rebuilt: ${need[*]} missing and not installable; using the installed CUDA build)"
+  else
+    status=1
+    build="FAIL (${need[*]} missing: $PY -m pip install ${need[*]})"
+  fi
+elif "$PY" -m pip install --no-build-isolation --no-deps -e . >>"$LOGS/build.log" 2>&1; then
   build="ok"
 else
   status=1; tail -40 "$LOGS/build.log"
 fi
+case "$build" in ok*) build_ok=ok ;; *) build_ok=no ;; esac
 
 note "topology"
 { nvidia-smi topo -m; echo; nvidia-smi; } >"$LOGS/topology.txt" 2>&1 || true
@@ -163,7 +198,7 @@ cat "$LOGS/versions.txt"
 note "GPU tests"
 if [ "${GPU_CHECK_TESTS:-}" = none ]; then
   tests="not run (GPU_CHECK_TESTS=none)"
-elif [ "$build" = ok ]; then
+elif [ "$build_ok" = ok ]; then
   TEST_COMMAND="JAX_EP_TEST_GPUS=$JAX_EP_TEST_GPUS python -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} ${GPU_CHECK_TESTS:-}"
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${GPU_CHECK_TESTS:-} \
@@ -205,7 +240,7 @@ fi
 
 note "demo on the GPUs"
 demo="not run"
-if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
+if [ "$build_ok" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   if timeout 300 "$PY" -m jax_ep.demo --steps 5 >"$LOGS/demo.log" 2>&1; then
     demo="ok: $(tail -1 "$LOGS/demo.log")"
   else
@@ -215,7 +250,7 @@ fi
 
 note "main job (python -m jax_ep.train, kernels against the reference)"
 train="not run"
-if [ "$build" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
+if [ "$build_ok" = ok ] && [ "${GPU_CHECK_DEMO:-}" != none ]; then
   if timeout 300 "$PY" -m jax_ep.train --steps 10 --compare-backends --no-plot \
       >"$LOGS/train.log" 2>&1; then
     train="ok: $(tail -1 "$LOGS/train.log")"
@@ -249,7 +284,7 @@ for b in benchmarks/bench_*.py; do
   grep -E "^  (up|down) " "$LOGS/$name.log" || true
 done
 
-if [ "$build" = ok ] && [ -n "${GPU_CHECK_SOAK:-}" ]; then
+if [ "$build_ok" = ok ] && [ -n "${GPU_CHECK_SOAK:-}" ]; then
   note "soak (${GPU_CHECK_SOAK} s of dispatch + combine pairs)"
   bench_ran=$((bench_ran + 1))
   timeout $(( GPU_CHECK_SOAK + 300 )) "$PY" benchmarks/soak.py --out "$BENCH" \
@@ -259,7 +294,7 @@ if [ "$build" = ok ] && [ -n "${GPU_CHECK_SOAK:-}" ]; then
 fi
 
 note "profile (per-kernel GPU times of dispatch / combine)"
-if [ "$build" = ok ] && [ "$NGPU" -ge 2 ] && [ -z "${GPU_CHECK_BENCH:-}" ]; then
+if [ "$build_ok" = ok ] && [ "$NGPU" -ge 2 ] && [ -z "${GPU_CHECK_BENCH:-}" ]; then
   timeout 300 "$PY" benchmarks/profile_normal.py --out "$BENCH" >"$LOGS/profile_normal.log" 2>&1 \
     || { status=1; bench_failed="$bench_failed profile_normal"; }
   grep -E "calls|Kernel " "$LOGS/profile_normal.log" | grep -v "host:CPU" | head -24

@@ -47,12 +47,12 @@ def _grid_rows(counts: jax.Array, m: int, capacity: int) -> jax.Array:
   return jnp.where(i < counts[:, None], start[:, None] + i, capacity).astype(jnp.int32)
 
 
-def _check_room(counts: jax.Array, m: int, axis_name: str) -> None:
+def _check_room(counts: jax.Array, m: int, axis_name: str, carry):
   # Only repeated expert ids in one token's top-k can put more than
   # R * max_tokens rows on one expert; the reference raises the same.
-  raise_if(jnp.any(counts > m), f"jax_ep low_latency_dispatch: capacity overflow: an expert got {{}} "
-                                f"rows, room for R*max_tokens={m}", jnp.max(counts, initial=0),
-           axis_name=axis_name)
+  return raise_if(jnp.any(counts > m), f"jax_ep low_latency_dispatch: capacity overflow: an expert "
+                  f"got {{}} rows, room for R*max_tokens={m}", jnp.max(counts, initial=0),
+                  axis_name=axis_name, carry=carry)
 
 
 def dispatch_via_normal(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, max_tokens: int,
@@ -65,7 +65,7 @@ def dispatch_via_normal(x: jax.Array, topk_idx: jax.Array, *, num_experts: int, 
   cap = _capacity(num_ranks, topk_idx)
   o = dispatch(x, topk_idx, None, num_experts=num_experts, axis_name=axis_name, layout="expert",
                capacity=cap, fp8=fp8, ue8m0=ue8m0, backend=backend)
-  _check_room(o.counts, m, axis_name)
+  o = o._replace(recv_x=_check_room(o.counts, m, axis_name, o.recv_x))
   rows = _grid_rows(o.counts, m, cap).reshape(-1)
   recv = jax.tree.map(lambda a: ref._take_rows(a, rows).reshape(e_l, m, *a.shape[1:]), o.recv_x)
   h = o.handle

@@ -390,10 +390,10 @@ def combine(y, rows_per_rank, weights, T: int, out_dtype=None, mode: str = "plai
                 continue
             s, t, key = info
             contrib.setdefault((s, t), []).append((key, r, row))
-    out = np.zeros((R, T, H), np.float32)
+    out = np.zeros((R, T, H), np.float32)   # tokens with no rows: +0.0
     for (s, t), lst in contrib.items():
         lst.sort(key=lambda z: z[0])
-        acc = np.zeros(H, np.float32)
+        acc = np.full(H, -0.0, np.float32)  # the additive identity (docs/design.md §2, reference.py)
         for _, r, row in lst:
             yr = y[r, row].astype(np.float32)
             acc = _acc_step(acc, None if weights is None else weights[r, row], yr, mode)
@@ -469,7 +469,9 @@ def low_latency_combine(y, idx, w, disp, out_dtype=None, mode: str = "plain"):
         for t in range(T):
             ks = [k for k in range(K) if idx[s, t, k] >= 0]
             ks.sort(key=lambda k: (int(idx[s, t, k]), k))
-            acc = np.zeros(H, np.float32)
+            if not ks:
+                continue                     # no rows: +0.0
+            acc = np.full(H, -0.0, np.float32)
             for k in ks:
                 r, l, pos = where[(s, t, k)]
                 acc = _acc_step(acc, w[s, t, k], y[r, l, pos].astype(np.float32), mode)

@@ -253,3 +253,32 @@ def test_weighted_combine_order_is_the_contracts_where_f32_order_matters(R, layo
     assert got.dtype == F32
     assert_fixed_order_exact(got, lambda mode: oracle.combine(y, rows, rw, T, mode=mode))
     np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_combine_starts_from_minus_zero_so_all_minus_zero_rows_give_minus_zero(layout):
+    """The sum starts from -0.0, the exact additive identity (docs/design.md
+    §2): a token whose every row product is -0.0 gets -0.0; starting from
+    +0.0 would give +0.0 there. Tokens with no rows get +0.0. Pinned bitwise
+    against the oracle, which starts from -0.0 too."""
+    R, T, K, E, H = 4, 16, 2, 8, 128
+    rng = np.random.default_rng(8200 + len(layout))
+    idx, w = oracle.make_topk(rng, R, T, K, E, drop=0.0)
+    idx[:, 1] = -1                                   # token 1 of every rank: no rows
+    x = oracle.make_x(rng, (R, T, H), F32)
+    exp_d = oracle.dispatch_rank((x,), idx, w, E) if layout == "rank" else oracle.dispatch_expert((x,), idx, w, E)
+    C = exp_d[0].payload[0].shape[0]
+    y = oracle.make_x(rng, (R, C, H), F32)
+    rw = rng.uniform(0.5, 1.5, size=(R, C)).astype(np.float32)
+    neg_tokens = {(s, 0) for s in range(R)} | {(s, 5) for s in range(R)}
+    for r, d in enumerate(exp_d):                    # every row of those tokens: -0.0
+        for row, info in enumerate(d.rows):
+            if info is not None and (info[0], info[1]) in neg_tokens:
+                y[r, row] = -0.0
+    got = _combine(R, E, T, x, idx, w, y, rw, layout=layout, weights_mode="row")
+    rows = [d.rows for d in exp_d]
+    assert_fixed_order_exact(got, lambda mode: oracle.combine(y, rows, rw, T, mode=mode))
+    sign = np.signbit(got)
+    for s, t in neg_tokens:
+        assert sign[s, t].all() and not got[s, t].any(), (s, t)
+    assert not sign[:, 1].any() and not got[:, 1].any()   # no rows: +0.0

@@ -301,3 +301,197 @@ def test_an_unknown_transport_argument_is_a_value_error_naming_the_choices():
   mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
   with pytest.raises(ValueError, match=re.escape("transport='nvlink' is not one of ('auto', 'gin', 'gin_emulated')")):
     jax_ep.Communicator.create(mesh, "ep", transport="nvlink")
+
+
+# ------------------------------------------------- under jit, the documented type
+
+
+def _bad_call(op):
+    """(jitted per-rank function, its bad inputs, its good inputs) for one op
+    whose device-side check must fire."""
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=40)
+    bad = idx.copy()
+    bad[1, 2, 0] = E + 3
+    if op == "get_dispatch_layout":
+        fn = lambda x, i, w: jax_ep.get_dispatch_layout(i, num_experts=E).num_tokens_per_rank  # noqa: E731
+    elif op == "dispatch":
+        fn = lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, layout="expert").recv_x  # noqa: E731
+    elif op == "low_latency_dispatch":
+        fn = lambda x, i, w: jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=T).recv_x  # noqa: E731
+    elif op == "engram_fetch":
+        table = np.random.default_rng(41).standard_normal((R, 16, H)).astype(np.float32)
+        fn = lambda x, i, w, t=table: jax_ep.engram_fetch(jax.numpy.asarray(t)[0], i)  # noqa: E731
+        bad = idx.copy()
+        bad[1, 2, 0] = R * 16 + 7            # a table of R * 16 rows
+        idx = np.where(idx >= 0, idx % (R * 16), -1).astype(np.int32)
+    return sharded(R, fn), (x, bad, w), (x, idx, w)
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("op", ["get_dispatch_layout", "dispatch", "low_latency_dispatch",
+                                "engram_fetch"])
+def test_under_jit_a_device_side_error_is_caught_as_the_documented_type_when_a_result_is_read(op):
+    """docs/errors.md, "What to catch": jax.errors.JaxRuntimeError, whose
+    text names the op and the cause; the call itself returns (the error
+    belongs to its results) and the next good call works."""
+    f, bad, good = _bad_call(op)
+    result = f(*bad)                          # returns: the error belongs to the result
+    try:
+        np.asarray(jax.tree.leaves(result)[0])
+    except jax.errors.JaxRuntimeError as e:   # the documented type
+        assert f"jax_ep {op}:" in str(e), str(e)[-2000:]
+    else:
+        pytest.fail("no error when the bad call's result was read")
+    np.asarray(jax.tree.leaves(f(*good))[0])
+
+
+def test_ep_runtime_error_outside_jit_is_also_the_documented_type():
+    """Where jax_ep's own Python raises (Communicator.check(), a check
+    evaluated eagerly), it raises EpRuntimeError, which the documented
+    `except jax.errors.JaxRuntimeError` catches too."""
+    from jax_ep import _checks
+    with pytest.raises(jax.errors.JaxRuntimeError, match="expert id 9"):
+        _checks._check_p.bind(np.int32(1), np.int32(9), np.ones(2, np.float32),
+                              message="jax_ep dispatch: expert id {}", num_details=1)
+
+
+# ------------------------------------------------------ bad input gets an answer
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("bad_id,shown", [(-2, "got -2"), (-7, "got -7"), (8, "got 8"),
+                                          (1000, "got 1000")])
+def test_a_bad_expert_id_is_reported_by_its_value(bad_id, shown):
+    """Not the largest id of the routing (which was a valid one for -2)."""
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=42)
+    idx[0, 5, 1] = bad_id
+    with pytest.raises(jax.errors.JaxRuntimeError, match=shown + r";"):
+        _dispatch(R, E, x, idx, w)
+
+
+@pytest.mark.isolated
+def test_bad_ids_on_both_sides_are_both_reported():
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=43)
+    idx[0, 5, 1] = -3
+    idx[1, 2, 0] = 11
+    with pytest.raises(jax.errors.JaxRuntimeError, match="got -3 and 11"):
+        _dispatch(R, E, x, idx, w)
+
+
+def test_combine_with_the_handle_of_another_dispatch_is_a_value_error_naming_handle():
+    """Two dispatches of the same shapes: their handles differ only in
+    values, so y or the weights of one with the handle of the other would
+    combine silently into wrong sums. The handle, the rows, the weights and
+    the counts each know the dispatch that made them (grouped_matmul's
+    result that of its group sizes)."""
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=44)
+    idx2 = np.roll(idx, 1, axis=1)
+
+    def fn(x, i, i2, w):
+        a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
+        b = jax_ep.dispatch(x, i2, w, num_experts=E, layout="expert")
+        return jax_ep.combine(a.recv_x * 2, b.handle, a.recv_topk_weights)  # y: unknown
+
+    with pytest.raises(ValueError, match="handle and weights come from two different dispatches"):
+        run_sharded(R, fn, x, idx, idx2, w)
+
+    def rows_only(x, i, i2, w):                 # y straight from the other dispatch, no weights
+        a = jax_ep.dispatch(x, i, w, num_experts=E)
+        b = jax_ep.dispatch(x, i2, w, num_experts=E)
+        return jax_ep.combine(a.recv_x, b.handle)
+
+    with pytest.raises(ValueError, match="handle and y come from two different dispatches"):
+        run_sharded(R, rows_only, x, idx, idx2, w)
+
+    def through_experts(x, i, i2, w):           # y made by the expert GEMMs on a's rows
+        import jax.numpy as jnp
+        a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
+        b = jax_ep.dispatch(x, i2, w, num_experts=E, layout="expert")
+        ws = jnp.ones((E // R, H, H), x.dtype)
+        y = jax_ep.grouped_matmul(a.recv_x, ws, a.counts)
+        return jax_ep.combine(y, b.handle, b.recv_topk_weights)
+
+    with pytest.raises(ValueError, match="handle and y come from two different dispatches"):
+        run_sharded(R, through_experts, x, idx, idx2, w)
+
+    def same(x, i, i2, w):
+        a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
+        b = jax_ep.dispatch(x, i2, w, num_experts=E, layout="expert")
+        return (jax_ep.combine(a.recv_x, a.handle, a.recv_topk_weights),
+                jax_ep.combine(b.recv_x, b.handle, b.recv_topk_weights))
+
+    run_sharded(R, same, x, idx, idx2, w)   # matching pairs: no error
+
+
+@pytest.mark.isolated
+def test_a_cached_dispatch_with_another_routing_raises_at_run_time_naming_the_handle():
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=45)
+    other = idx.copy()
+    other[1, 0] = other[1, 1]
+
+    def fn(x, i, i2, w):
+        a = jax_ep.dispatch(x, i, w, num_experts=E)
+        return jax_ep.dispatch(x * 2, i2, w, num_experts=E, handle=a.handle).recv_x
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="handle was made for another routing"):
+        run_sharded(R, fn, x, idx, other, w)
+    got = run_sharded(R, fn, x, idx, idx, w)      # the same routing in another array: fine
+    exp = oracle.dispatch_rank((x * 2,), idx, w, E)
+    for r in range(R):
+        np.testing.assert_array_equal(got[r], exp[r].payload[0])
+
+
+def test_combine_outside_shard_map_says_to_call_it_inside_shard_map():
+    import jax.numpy as jnp
+    R, T, K, E, H = 2, 8, 2, 8, 128
+    x, idx, w = _inputs(R, T, K, E, H, seed=46)
+    handle = run_sharded(R, lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E).handle,
+                         x, idx, w)
+    handle = jax.tree.map(lambda a: jnp.asarray(a[0]), handle)
+    with pytest.raises(ValueError, match="inside shard_map over the expert-parallel mesh axis"):
+        jax_ep.combine(jnp.zeros((5, H), jnp.bfloat16), handle)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("combine_layout", [None, "rank", "expert"])
+def test_nn_moe_with_zero_tokens_returns_zero_tokens_and_gradients(ranks, combine_layout):
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
+    layer = jax_ep.nn.MoE(16, 32, 2 * ranks, 2, mesh=mesh, combine_layout=combine_layout,
+                          rngs=nnx.Rngs(0))
+    x = jnp.zeros((0, 16), jnp.float32)
+    assert layer(x).shape == (0, 16)
+    grads = nnx.grad(lambda m: jnp.sum(m(x)))(layer)
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+
+
+def test_nn_moe_given_another_width_is_a_value_error_naming_x():
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    layer = jax_ep.nn.MoE(16, 32, 4, 2, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., hidden=16\].*\[8, 24\]"):
+        layer(jnp.zeros((8, 24), jnp.float32))
+
+
+def test_the_check_passes_its_payload_through_vmap_grad_and_jvp_and_fires_per_batch_element():
+    import jax.numpy as jnp
+    from jax_ep import _checks
+    f = lambda b, d, x: _checks._check_p.bind(b, d, x, message="jax_ep test: bad {}",  # noqa: E731
+                                              num_details=1)[0]
+    x = jnp.arange(6.0).reshape(3, 2)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(f))(jnp.zeros(3, jnp.int32), jnp.arange(3), x), x)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bad 2"):
+        np.asarray(jax.jit(jax.vmap(f))(jnp.array([0, 1, 0], jnp.int32), jnp.arange(3), x))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(f(jnp.int32(0), jnp.int32(0), v) ** 2)))(x[1])
+    np.testing.assert_array_equal(g, 2 * x[1])
+    _, t = jax.jvp(lambda v: f(jnp.int32(0), jnp.int32(0), v), (x[0],), (x[2],))
+    np.testing.assert_array_equal(t, x[2])

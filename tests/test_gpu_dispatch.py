@@ -306,6 +306,45 @@ def test_a_deferred_error_names_the_call_that_caused_it(comm):
   assert before < int(m.group(1)) <= after, (before, m.group(1), after)
 
 
+def test_a_deferred_error_under_jit_is_caught_as_the_documented_type(comm):
+  """docs/errors.md, "What to catch": in deferred mode the bad call's program
+  returns; the next call's result, when read, raises JaxRuntimeError naming
+  the error; after another bad call Communicator.check() raises
+  EpRuntimeError, which the same `except jax.errors.JaxRuntimeError`
+  catches; the call after that equals the reference."""
+  assert not comm.checked
+  rng = np.random.default_rng(stable_seed("deferred-documented-type"))
+  R, T, H, K, E = comm.num_ranks, 32, 128, 2, 8
+  x, idx, w = _inputs(rng, R, T, H, K, E, "bfloat16", "random")
+  bad = idx.copy()
+  bad[R - 1, 4, 0] = E + 1
+  f = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+      x, i, w, num_experts=E, backend="cuda").recv_x)
+  put = lambda *vs: [h.put(comm.mesh, v) for v in vs]  # noqa: E731
+  jax.block_until_ready(f(*put(x, idx, w)))
+  comm.check()
+  np.asarray(f(*put(x, bad, w)))             # deferred: this program returns
+  try:
+    np.asarray(f(*put(x, idx, w)))
+  except jax.errors.JaxRuntimeError as e:
+    assert "expert id" in str(e), str(e)
+  else:
+    pytest.fail("the call after a bad one did not report it")
+  comm.status_message()                      # whatever is left of it
+  np.asarray(f(*put(x, bad, w)))
+  try:
+    comm.check()
+  except jax.errors.JaxRuntimeError as e:
+    assert isinstance(e, jax_ep.EpRuntimeError) and "expert id" in str(e), str(e)
+  else:
+    pytest.fail("check() did not report the bad call")
+  got = np.asarray(jax.block_until_ready(f(*put(x, idx, w))))
+  comm.check()
+  ref = h.per_rank_jit(comm.mesh, lambda x, i, w: jax_ep.dispatch(
+      x, i, w, num_experts=E, backend="reference").recv_x)(*put(x, idx, w))
+  _assert_same(got, ref, "dispatch after the errors")
+
+
 def test_after_a_bad_id_the_next_call_runs_then_reports_and_no_peer_waits(comm):
   """docs/errors.md (its table): a device error pending from the last call no longer
   makes the next op refuse (which left its peers waiting out timeout_s); it

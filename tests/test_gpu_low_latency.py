@@ -208,3 +208,54 @@ def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(c
   assert line, out[-2000:]
   print(line[0], "(command buffers)" if cmdbuf else "(plain)")
   assert "equal=True" in line[0], line[0]
+
+
+@pytest.mark.parametrize("path", ["cuda", "kernels"])
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_low_latency_dispatch_at_under_and_one_row_over_r_times_max_tokens(comm, path, extra):
+  """The GPU twin of test_low_latency.py's edge test: an expert receiving
+  R*max_tokens - 1 or R*max_tokens rows equals the reference (counts and
+  every valid row); one row more raises "overflow" (when a result is read,
+  or at comm.check() in deferred mode), never drops a row. path "cuda":
+  backend="cuda"; "kernels": the dedicated kernels."""
+  from jax_ep.ops import low_latency as ll
+  R, T, K, H = comm.num_ranks, 8, 2, 256
+  E, mt = 4 * R, T
+  idx = np.full((R, T, K), -1, np.int32)
+  idx[:, :, 0] = 0
+  if extra == 1:
+    idx[R - 1, T - 1, 1] = 0
+  elif extra == -1:
+    idx[0, 0, 0] = 1
+  x = np.random.default_rng(990 + extra).standard_normal((R, T, H)).astype(jnp.bfloat16)
+
+  def per_rank(x, i):
+    if path == "kernels":
+      o = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=mt, reserved_bytes=LL_RESERVED)
+    else:
+      o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, backend="cuda")
+    r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, backend="reference") \
+        if extra < 1 else o
+    return o.recv_x, o.recv_count, r.recv_x, r.recv_count
+
+  f = h.per_rank_jit(comm.mesh, per_rank)
+  args = (h.put(comm.mesh, x), h.put(comm.mesh, idx))
+  if extra == 1:
+    try:
+      jax.block_until_ready(f(*args))
+      comm.check()
+    except jax.errors.JaxRuntimeError as e:   # EpRuntimeError (check()) is one
+      assert "overflow" in str(e), str(e)
+    else:
+      pytest.fail("one row over R*max_tokens was not reported")
+    _kernel_round(comm, T, H, K, E, mt, False, False, seed=991)  # the next call works
+    return
+  recv, count, want, want_count = (np.asarray(a) for a in jax.block_until_ready(f(*args)))
+  comm.check()
+  np.testing.assert_array_equal(count, want_count)
+  assert count.reshape(R, -1)[0, 0] == R * mt + extra
+  recv, want = recv.reshape(R, E // R, R * mt, H), want.reshape(R, E // R, R * mt, H)
+  for r in range(R):
+    for l in range(E // R):
+      n = int(want_count.reshape(R, -1)[r, l])
+      np.testing.assert_array_equal(bits(recv[r, l, :n]), bits(want[r, l, :n]), err_msg=f"{r} {l}")

@@ -67,3 +67,26 @@ def test_layout_skewed_and_empty_rank_match_oracle(mode):
     rng = np.random.default_rng(11)
     idx, _ = oracle.make_topk(rng, R, T, K, E, mode=mode)
     _check(R, E, idx)
+
+
+@pytest.mark.parametrize("layout", ["rank", "expert"])
+def test_pos_in_rank_is_each_tokens_index_among_this_ranks_tokens_bound_for_each_rank(layout):
+    """The handle's pos_in_rank [T, R] on a routing small enough to write out:
+    token t's index among this rank's tokens that have an expert on rank j
+    (ascending t, from 0), -1 where it has none. An off-by-one shows here
+    directly, not only through the property test's oracle."""
+    R, E, T, K, H = 2, 4, 5, 2, 8                # experts 0, 1 on rank 0; 2, 3 on rank 1
+    idx = np.array([[[0, 3], [1, -1], [-1, -1], [2, 3], [0, 2]],
+                    [[3, -1], [0, 1], [2, 0], [-1, -1], [1, 3]]], np.int32)
+    want = np.array([[[0, 0], [1, -1], [-1, -1], [-1, 1], [2, 2]],
+                     [[-1, 0], [0, -1], [1, 1], [-1, -1], [2, 2]]], np.int32)
+    x = np.ones((R, T, H), np.float32)
+
+    def fn(x, i):
+        return jax_ep.dispatch(x, i, None, num_experts=E, layout=layout).handle.pos_in_rank
+
+    got = run_sharded(R, fn, x, idx)
+    np.testing.assert_array_equal(got, want)
+    disp = oracle.dispatch_rank((x,), idx, np.ones(idx.shape, np.float32), E)
+    np.testing.assert_array_equal(
+        got, oracle.dispatch_handle(disp, idx, E, "rank", R * T)["pos_in_rank"])

@@ -258,3 +258,64 @@ def test_the_kernels_take_max_tokens_up_to_their_16_bit_counts():
     assert "max_tokens <= 65535" in ll._kernel_refusal(jnp.bfloat16, 128, False, 8,
                                                        ffi_ll.MAX_TOKENS + 1)
     assert ll._kernel_refusal(jnp.bfloat16, 128, False, 8, ffi_ll.MAX_TOKENS) is None
+
+
+def _fill_to(R, T, K, extra):
+    """[R, T, K] ids giving expert 0 exactly R*T + extra rows (extra in
+    -1, 0, 1) with max_tokens = T: every token picks expert 0 once in slot 0
+    (R*T rows); extra = 1 makes one token repeat it in slot 1, extra = -1
+    sends one token to expert 1 instead. Other slots -1."""
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[:, :, 0] = 0
+    if extra == 1:
+        idx[R - 1, T - 1, 1] = 0
+    elif extra == -1:
+        idx[0, 0, 0] = 1
+    return idx
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_ll_dispatch_at_under_and_one_row_over_r_times_max_tokens_for_an_expert(R, extra):
+    """The edge of the receive grid: R*max_tokens rows fit (and equal the
+    oracle), one more must raise, never drop a row."""
+    T, K, E, H = 4, 2, 4 * R, 128
+    rng = np.random.default_rng(10460 + R)
+    x = oracle.make_x(rng, (R, T, H), BF16)
+    idx = _fill_to(R, T, K, extra)
+    if extra == 1:
+        with pytest.raises(jax.errors.JaxRuntimeError, match=rf"overflow: an expert got {R * T + 1} rows"):
+            _ll_dispatch(R, E, T, x, idx)
+        return
+    got = _ll_dispatch(R, E, T, x, idx)
+    assert got[1][0][0] == R * T + extra
+    _assert_ll_dispatch(got, oracle.low_latency_dispatch((x,), idx, E, T), R, E // R, T)
+
+
+def test_ll_combine_starts_from_minus_zero_so_all_minus_zero_rows_give_minus_zero():
+    """As the normal combine (test_combine.py): a token whose every row is
+    -0.0 gets -0.0, a token with no valid expert +0.0; bitwise the oracle."""
+    R, T, K, E, H, mt = 2, 8, 2, 8, 128, 8
+    rng = np.random.default_rng(10470)
+    idx, w = oracle.make_topk(rng, R, T, K, E, drop=0.0)
+    idx[:, 1] = -1
+    x = oracle.make_x(rng, (R, T, H), F32)
+    disp = oracle.low_latency_dispatch((x,), idx, E, mt)
+    y = oracle.make_x(rng, (R, E // R, R * mt, H), F32)
+    neg = {(s, 0) for s in range(R)} | {(s, 6) for s in range(R)}
+    for r in range(R):
+        for l, lst in enumerate(disp[r].rows):
+            for pos, (s, t, _) in enumerate(lst):
+                if (s, t) in neg:
+                    y[r, l, pos] = -0.0
+
+    def fn(x, i, w, y):
+        o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt)
+        return jax_ep.low_latency_combine(y, i, w, o.handle)
+
+    got = run_sharded(R, fn, x, idx, w, y)
+    assert_fixed_order_exact(got, lambda mode: oracle.low_latency_combine(y, idx, w, disp, mode=mode))
+    for s, t in neg:
+        assert np.signbit(got[s, t]).all() and not got[s, t].any(), (s, t)
+    assert not np.signbit(got[:, 1]).any() and not got[:, 1].any()

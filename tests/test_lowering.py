@@ -171,10 +171,6 @@ def test_public_engram_uses_kernels_unless_told_reference(monkeypatch, backend):
 
   # A Communicator "exists" with room for the table: auto picks the kernels.
   monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
-  # The reference's index check is a host callback, which cannot be lowered
-  # for CUDA on a machine without one; it is not what this test looks at.
-  from jax_ep import reference
-  monkeypatch.setattr(reference, "raise_if", lambda *a, **k: None)
   R, VL, D, T, E = 2, 64, 128, 8, 2
   mesh = _mesh(R)
 

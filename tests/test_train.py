@@ -164,3 +164,17 @@ def test_two_processes_finish_with_the_same_loss(tmp_path):
   # The same global computation as one process with 8 devices (this one).
   one = train.main(["--steps", "3", *TINY, "--json", str(tmp_path / "one.json"), "--no-plot"])
   np.testing.assert_allclose(one["runs"]["reference"]["losses"], losses[0], rtol=1e-5)
+
+
+def test_help_shows_every_option_with_its_default(capsys):
+  import pytest
+  with pytest.raises(SystemExit):
+    train.parse_args(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert text.startswith("usage: python -m jax_ep.train")
+  for flag, default in (("--steps", 30), ("--batch", 16), ("--hidden", 64), ("--lr", 0.003),
+                        ("--backend", "auto"), ("--plot", "train_loss.png")):
+    assert f"(default: {default})" in text.split(flag, 2)[-1][:200], flag
+  parser_defaults = vars(train.parse_args([]))
+  shown = text.count("(default: ")
+  assert shown == len(parser_defaults), (shown, len(parser_defaults))

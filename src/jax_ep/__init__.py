@@ -25,10 +25,12 @@ from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_don
                                     low_latency_dispatch_done, low_latency_dispatch_start)
 from jax_ep.reference import default_capacity
 
-from jax_ep._native import build_info, cuda_available
+from jax_ep._native import build_info, cuda_available, warn_if_shadowed as _warn_if_shadowed
 from jax_ep.comm import Communicator, get_buffer_size_hint
 
 __version__ = "0.1.0"
+
+_warn_if_shadowed(__path__[0])
 
 
 def __getattr__(name: str):

@@ -2,11 +2,15 @@
 reporting for the reference backend (run time, an exception naming the op)."""
 from __future__ import annotations
 
-from typing import Any
+import functools
+import weakref
+from typing import Any, Optional
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad, batching, mlir
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -92,25 +96,146 @@ def check_sms(num_sms, recv_sms) -> tuple[int, int]:
   return int(num_sms or 0), int(recv_sms or 0)
 
 
-def raise_if(bad: jax.Array, message: str, *details: jax.Array, axis_name: str) -> None:
-  """Raises EpRuntimeError(message.format(*details)) when `bad` is true on any
-  rank of `axis_name` at run time.
+def raise_if(bad: jax.Array, message, *details: jax.Array, axis_name: str, carry: Any = (),
+             reduce: tuple[str, ...] = ()) -> Any:
+  """Raises EpRuntimeError(message) at run time when `bad` is true on any rank
+  of `axis_name`; returns `carry` (a pytree of arrays), which the check rides
+  on.
 
-  The flag and the details are reduced over the axis first (max), so every
-  rank raises at the same point: a rank that stopped alone would leave its
-  peers waiting in the next collective. The exception surfaces from the
-  jitted call (as a JaxRuntimeError whose text holds this message); the op's
-  outputs are never silently truncated data.
+  `message` is a format string for the details, or a function of their
+  values returning the text. The flag and the details are reduced over the
+  axis first (`reduce[i]` "max", the default, or "min"), so every rank raises
+  at the same point: a rank that stopped alone would leave its peers waiting
+  in the next collective.
+
+  In a program run here the check is a host callback: the exception
+  surfaces from the jitted call when a result is read, as a JaxRuntimeError
+  whose text holds this message. A host callback cannot be serialised, so in
+  a program lowered for `jax.export` the check is data instead: a failed
+  check makes every floating-point array of `carry` NaN (integer ones -1) on
+  every rank (docs/errors.md, "Exported programs"). Either way the op's
+  outputs are never silently truncated data. The check lives as long as one
+  array of `carry` is used: give it the op's payload.
   """
   from jax import lax
   bad = lax.pmax(jnp.asarray(bad, jnp.int32), axis_name)
-  details = tuple(lax.pmax(jnp.asarray(d), axis_name) for d in details)
-
-  def _cb(b, *d):
-    if int(b):
-      raise EpRuntimeError(message.format(*[np.asarray(v).tolist() for v in d]))
+  how = tuple(reduce) + ("max",) * (len(details) - len(reduce))
+  details = tuple(lax.pmin(jnp.asarray(d), axis_name) if r == "min" else
+                  lax.pmax(jnp.asarray(d), axis_name) for d, r in zip(details, how))
+  leaves, tree = jax.tree.flatten(carry)
   _quiet_reports()
-  jax.debug.callback(_cb, bad, *details)
+  out = _check_p.bind(bad, *details, *leaves, message=message, num_details=len(details))
+  return jax.tree.unflatten(tree, out)
+
+
+def format_report(message, details) -> str:
+  values = [np.asarray(v).tolist() for v in details]
+  return message(*values) if callable(message) else message.format(*values)
+
+
+def _report(message, bad, *details) -> None:
+  if int(bad):
+    raise EpRuntimeError(format_report(message, details))
+
+
+# jax_ep_check(bad, *details, *carried) -> carried: the identity on
+# `carried`, raising (a host callback) or poisoning (exported programs) when
+# `bad`. A primitive of its own so that the choice is made where it can be:
+# at lowering, which knows whether the program is being exported.
+_check_p = jax.extend.core.Primitive("jax_ep_check")
+_check_p.multiple_results = True
+
+
+def _split(args, num_details):
+  return args[0], args[1:1 + num_details], args[1 + num_details:]
+
+
+def _check_impl(*args, message, num_details):
+  bad, details, carried = _split(args, num_details)
+  _report(message, bad, *details)
+  return list(carried)
+
+
+def _check_abstract_eval(*avals, message, num_details):
+  return list(_split(avals, num_details)[2])
+
+
+def _raising(*args, message, num_details):
+  bad, details, carried = _split(args, num_details)
+  jax.debug.callback(functools.partial(_report, message), bad, *details)
+  return list(carried)
+
+
+def _poisoning(*args, message, num_details):
+  bad, _, carried = _split(args, num_details)
+  return [jnp.where(bad != 0, _poison(c), c) for c in carried]
+
+
+def _poison(a: jax.Array) -> jax.Array:
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    return jnp.full_like(a, jnp.nan)
+  if a.dtype == jnp.bool_:
+    return jnp.zeros_like(a)
+  return jnp.full_like(a, -1)
+
+
+def _check_lowering(ctx, *args, message, num_details):
+  fun = _poisoning if ctx.module_context.lowering_parameters.for_export else _raising
+  return mlir.lower_fun(fun, multiple_results=True)(ctx, *args, message=message,
+                                                   num_details=num_details)
+
+
+def _check_jvp(primals, tangents, *, message, num_details):
+  out = _check_p.bind(*primals, message=message, num_details=num_details)
+  return out, list(_split(tangents, num_details)[2])
+
+
+def _check_batch(args, dims, *, message, num_details):
+  def unbatched(a, d):  # any element of the batch counts
+    return jnp.max(a, axis=d) if isinstance(d, int) else a
+  bad, details, carried = _split(args, num_details)
+  bad = unbatched(bad, dims[0])
+  details = [unbatched(a, d) for a, d in zip(details, dims[1:1 + num_details])]
+  out = _check_p.bind(bad, *details, *carried, message=message, num_details=num_details)
+  return out, list(_split(dims, num_details)[2])
+
+
+_check_p.def_impl(_check_impl)
+_check_p.def_abstract_eval(_check_abstract_eval)
+mlir.register_lowering(_check_p, _check_lowering)
+ad.primitive_jvps[_check_p] = _check_jvp
+batching.primitive_batchers[_check_p] = _check_batch
+
+
+# ------------------------------------------------ which dispatch made an array
+
+# By object identity, weakly (nothing is kept alive): combine(y, handle,
+# weights) with y or weights from one dispatch and the handle of another is
+# a mix-up no array value shows (same shapes, valid rows); identity shows it
+# at trace time for free. Arrays that went through other code first (a jit
+# boundary, an optimisation barrier, an elementwise op) are unknown and not
+# checked; grouped_matmul passes its group sizes' origin on to its result.
+_MADE_BY: dict[int, tuple] = {}
+
+
+def note_origin(a: Any, origin: int) -> None:
+  if isinstance(a, jax.Array):  # tracers are jax.Arrays too
+    key = id(a)
+    _MADE_BY[key] = (weakref.ref(a, lambda _, k=key: _MADE_BY.pop(k, None)), origin)
+
+
+def origin_of(a: Any) -> Optional[int]:
+  """The origin noted for this very object, or None."""
+  got = _MADE_BY.get(id(a))
+  return got[1] if got is not None and got[0]() is a else None
+
+
+def same_origin(result: Any, source: Any) -> Any:
+  """result, noted as made by whatever made `source`."""
+  origin = origin_of(source)
+  if origin is not None:
+    note_origin(result, origin)
+  return result
 
 
 _QUIET = False

@@ -157,3 +157,65 @@ def ensure_registered() -> None:
 def nccl_version() -> tuple[int, int]:
   """(NCCL_VERSION_CODE jax_ep was compiled against, version of the loaded libnccl)."""
   return tuple(module().nccl_version())
+
+
+def shadow_message(package_dir: str, native_origin: str | None,
+                   installed_native: str | None) -> str | None:
+  """The warning for a jax_ep imported from `package_dir` (whose native
+  module, if any, is `native_origin`) while an installed distribution's
+  native module lies at `installed_native` elsewhere: a source tree ahead of
+  the install on sys.path. None when nothing is shadowed."""
+  import os
+  if installed_native is None:
+    return None
+  if native_origin is not None and os.path.exists(native_origin) and \
+      os.path.samefile(native_origin, installed_native):
+    return None  # an installed or editable build: the module in use is the installed one
+  installed_dir = os.path.dirname(os.path.abspath(installed_native))
+  if native_origin is None and os.path.realpath(installed_dir) == os.path.realpath(package_dir):
+    return None
+  here = ("which has no native module" if native_origin is None else
+          f"whose native module {native_origin} is not the installed one")
+  return (f"jax_ep is imported from {package_dir}, {here}, while the installed jax_ep in "
+          f"{installed_dir} has its own ({os.path.basename(installed_native)}): a source tree "
+          "on sys.path (the current directory, PYTHONPATH) shadows the installed build, so "
+          "what runs is not what was installed (without a native module: the pure-JAX "
+          "reference, even where the CUDA kernels are built). Run from another directory or "
+          "take that path off sys.path.")
+
+
+def installed_native_path() -> str | None:
+  """Where the installed jax_ep distribution's native module lies, from its
+  record of files (no import), or None."""
+  import importlib.metadata as md
+  import os
+  try:
+    dist = md.distribution("jax_ep")
+  except md.PackageNotFoundError:
+    return None
+  for f in dist.files or ():
+    if f.parent.name == "jax_ep" and f.name.startswith("_jax_ep.") and f.suffix in (".so", ".pyd"):
+      path = str(dist.locate_file(f))
+      if os.path.exists(path):
+        return path
+  return None
+
+
+def warn_if_shadowed(package_dir: str) -> None:
+  """Called once at import. An installed package with its native module
+  costs one module lookup (no load); a source tree also the lookup of the
+  installed distribution's record."""
+  import importlib.util
+  import os
+  try:
+    spec = importlib.util.find_spec("jax_ep._jax_ep")
+  except (ImportError, ValueError):
+    spec = None
+  origin = getattr(spec, "origin", None)
+  parts = os.path.normpath(package_dir).split(os.sep)
+  if origin is not None and ("site-packages" in parts or "dist-packages" in parts):
+    return
+  msg = shadow_message(package_dir, origin, installed_native_path())
+  if msg:
+    import warnings
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

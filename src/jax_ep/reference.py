@@ -103,10 +103,27 @@ def _valid_ids(topk_idx: Array, num_experts: int) -> Array:
   return (topk_idx >= 0) & (topk_idx < num_experts)
 
 
-def _check_ids(op: str, topk_idx: Array, num_experts: int, axis_name: str) -> None:
-  bad = jnp.any((topk_idx < -1) | (topk_idx >= num_experts))
-  raise_if(bad, f"jax_ep {op}: expert id outside [-1, {num_experts}) in topk_idx "
-                "(max {})", jnp.max(topk_idx, initial=0), axis_name=axis_name)
+def _check_ids(op: str, topk_idx: Array, num_experts: int, axis_name: str, carry: Any) -> Any:
+  """`carry` (the op's payload), checked: a run-time error naming the bad
+  ids if any is outside [-1, num_experts)."""
+  return _check_range(op, "expert id", "topk_idx", topk_idx, num_experts, axis_name, carry)
+
+
+def _check_range(op: str, what: str, name: str, values: Array, limit: int, axis_name: str,
+                 carry: Any) -> Any:
+  """`carry`, checked: a run-time error when a value is outside [-1, limit),
+  naming the smallest and largest such value over the ranks."""
+  bad = (values < -1) | (values >= limit)
+  big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+  lo = jnp.min(jnp.where(bad, values, big), initial=big)
+  hi = jnp.max(jnp.where(bad, values, small), initial=small)
+  return raise_if(jnp.any(bad), functools.partial(_range_text, op, what, name, limit), lo, hi,
+                  axis_name=axis_name, carry=carry, reduce=("min", "max"))
+
+
+def _range_text(op: str, what: str, name: str, limit: int, lo: int, hi: int) -> str:
+  got = f"{lo}" if lo == hi else f"{lo} and {hi}" if lo < -1 < limit <= hi else f"{lo} .. {hi}"
+  return f"jax_ep {op}: {what} outside [-1, {limit}) in {name} (got {got}; -1 means none)"
 
 
 def _rank_of(topk_idx: Array, num_experts: int, num_ranks: int) -> Array:
@@ -174,15 +191,16 @@ def dispatch(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_expe
   if fp8:
     x = _fp8.quantize(x, ue8m0=ue8m0)
   if handle is None:
-    _check_ids("dispatch", topk_idx, num_experts, axis_name)
-    handle = _route(topk_idx, num_experts=num_experts, num_ranks=num_ranks, layout=layout,
+    x = _check_ids("dispatch", topk_idx, num_experts, axis_name, x)
+    handle, x = _route(x, topk_idx, num_experts=num_experts, num_ranks=num_ranks, layout=layout,
                     capacity=capacity, expert_alignment=expert_alignment, axis_name=axis_name)
   return _move(x, topk_idx, topk_weights, handle, axis_name)
 
 
-def _route(topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, capacity: int,
-           expert_alignment: int, axis_name: str) -> DispatchHandle:
-  """Where every received row comes from, in docs/design.md §2 order."""
+def _route(x: Any, topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, capacity: int,
+           expert_alignment: int, axis_name: str) -> tuple[DispatchHandle, Any]:
+  """Where every received row comes from, in docs/design.md §2 order, and
+  the payload x that carries the capacity check."""
   t, k = topk_idx.shape
   r = lax.axis_index(axis_name)
   e_l = num_experts // num_ranks
@@ -212,13 +230,13 @@ def _route(topk_idx: Array, *, num_experts: int, num_ranks: int, layout: str, ca
     src_rank, src_token = _split_src(jnp.where(entry >= 0, entry // max(k, 1), -1), t)
     src_k = jnp.where(entry >= 0, entry % max(k, 1), -1)
     recv_counts = jnp.sum(here, axis=(1, 2), dtype=jnp.int32)
-  raise_if(total > capacity, f"jax_ep dispatch: capacity overflow: {{}} rows needed, capacity={capacity} "
-                             "(raise `capacity` or leave it None for the worst case)", total,
-           axis_name=axis_name)
+  x = raise_if(total > capacity, f"jax_ep dispatch: capacity overflow: {{}} rows needed, "
+               f"capacity={capacity} (raise `capacity` or leave it None for the worst case)",
+               total, axis_name=axis_name, carry=x)
   return DispatchHandle(topk_idx=topk_idx, pos_in_rank=pos, recv_src_rank=src_rank,
                         recv_src_token=src_token, recv_src_k=src_k, recv_counts=recv_counts,
                         layout=layout, num_experts=num_experts, capacity=capacity,
-                        expert_alignment=expert_alignment)
+                        expert_alignment=expert_alignment), x
 
 
 def _group_entries(group: Array, num_groups: int) -> tuple[Array, Array, Array]:
@@ -344,9 +362,9 @@ def return_row_weights(dw: Array, h: DispatchHandle, axis_name: str) -> Array:
 
 def low_latency_dispatch_start(x: Array, topk_idx: Array, *, num_experts: int, max_tokens: int,
                                axis_name: str, fp8: bool = False, ue8m0: bool = False):
-  _check_ids("low_latency_dispatch", topk_idx, num_experts, axis_name)
   if fp8:
     x = _fp8.quantize(x, ue8m0=ue8m0)
+  x = _check_ids("low_latency_dispatch", topk_idx, num_experts, axis_name, x)
   return Pending((_map_payload(lambda a: _gather(a, axis_name), x), _gather(topk_idx, axis_name)),
                  op="low_latency_dispatch", axis_name=axis_name, num_experts=num_experts,
                  max_tokens=max_tokens)
@@ -366,9 +384,9 @@ def low_latency_dispatch_done(pending: Pending) -> LowLatencyDispatchOutput:
   slot = jnp.where(mask & (i < m), gl * m + i, e_l * m)
   entry = jnp.full((e_l * m,), -1, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32),
                                                           mode="drop")
-  raise_if(jnp.any(sizes > m), f"jax_ep low_latency_dispatch: capacity overflow: an expert got {{}} rows, "
-                               f"room for R*max_tokens={m}", jnp.max(sizes, initial=0),
-           axis_name=axis_name)
+  xs = raise_if(jnp.any(sizes > m), f"jax_ep low_latency_dispatch: capacity overflow: an expert "
+                f"got {{}} rows, room for R*max_tokens={m}", jnp.max(sizes, initial=0),
+                axis_name=axis_name, carry=xs)
   tok = jnp.where(entry >= 0, entry // max(k, 1), -1)                  # flat (s, t)
 
   def place(a):
@@ -419,9 +437,7 @@ def engram_fetch_start(table: Array, indices: Array, *, axis_name: str,
   r = lax.axis_index(axis_name)
   v_l = table.shape[0]
   v = v_l * num_ranks
-  raise_if(jnp.any((indices < -1) | (indices >= v)),
-           f"jax_ep engram_fetch: row index outside [-1, {v}) (largest index {{}})",
-           jnp.max(indices, initial=0), axis_name=axis_name)
+  table = _check_range("engram_fetch", "row index", "indices", indices, v, axis_name, table)
   req = _gather(indices, axis_name)                                     # [R, T, e]
   mine = (req >= 0) & (req // v_l == r)
   resp = _take_rows(table, jnp.where(mine, req - r * v_l, v_l).reshape(-1))

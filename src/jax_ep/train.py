@@ -264,9 +264,9 @@ def plot_losses(curves: dict[str, list[float]], path: str, *, title: str,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+  p = argparse.ArgumentParser(prog="python -m jax_ep.train", description=__doc__.splitlines()[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--steps", type=int, default=30, help="training steps")
+  p.add_argument("--steps", type=int, default=30, help="optimizer steps")
   p.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
   p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
   p.add_argument("--vocab", type=int, default=32, help="vocabulary size")
@@ -274,7 +274,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--heads", type=int, default=4, help="attention heads")
   p.add_argument("--layers", type=int, default=2, help="transformer blocks")
   p.add_argument("--ffn", type=int, default=128, help="expert width")
-  p.add_argument("--experts-per-rank", type=int, default=2, help="routed experts per EP rank")
+  p.add_argument("--experts-per-rank", type=int, default=2, help="experts on each EP rank")
   p.add_argument("--topk", type=int, default=2, help="experts per token")
   p.add_argument("--score-fn", choices=("softmax", "sigmoid"), default="softmax",
                  help="router scores")
@@ -296,7 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--engram-dim", type=int, default=16, help="Engram row width D")
   p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x ep)")
   p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate")
-  p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
+  p.add_argument("--seed", type=int, default=0, help="parameters and data")
   p.add_argument("--backend", choices=tuple(BACKENDS), default="auto",
                  help="auto: CUDA kernels where they run, else the reference")
   p.add_argument("--compare-backends", action="store_true",
@@ -307,10 +307,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-plot", action="store_true", help="write no PNG")
   p.add_argument("--json", default="train_losses.json", help="losses and timings as JSON")
   p.add_argument("--cpu-devices", type=int, default=None,
-                 help="virtual CPU devices per process (None: JAX_NUM_CPU_DEVICES, else 8)")
+                 help="virtual CPU devices per process; None: JAX_NUM_CPU_DEVICES, else 8")
   p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (jax.distributed)")
-  p.add_argument("--num-processes", type=int, default=None, help="processes (jax.distributed)")
-  p.add_argument("--process-id", type=int, default=None, help="this process's index")
+  p.add_argument("--num-processes", type=int, default=None, help="with --coordinator")
+  p.add_argument("--process-id", type=int, default=None, help="with --coordinator")
   return p.parse_args(argv)
 
 

@@ -473,6 +473,10 @@ class MoE(nnx.Module):
     axis (and `data_axis`), so N must be a multiple of their sizes. Returns
     x's shape in x's dtype."""
     shape = x.shape
+    hidden = self.router.shape[0]
+    if x.ndim < 1 or shape[-1] != hidden:
+      raise ValueError(f"x must be [..., hidden={hidden}] (the layer's width), got shape "
+                       f"{list(shape)}")
     x2 = x.reshape(-1, shape[-1])
     axes = (self.axis_name,) if self.data_axis is None else (self.data_axis, self.axis_name)
     parts = 1

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import reference as ref
-from jax_ep._checks import check_positive, check_routing, check_sms, check_x, is_fp8_pair
+from jax_ep._checks import (check_positive, check_routing, check_sms, check_x, is_fp8_pair,
+                            note_origin, origin_of, raise_if)
 from jax_ep._types import DispatchHandle, DispatchOutput
 from jax_ep.ops import _backend
 
@@ -74,12 +75,37 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
                                     handle=handle, backend=backend)
   cfg = dataclasses.replace(cfg, **_sms(num_sms, recv_sms))
   if t == 0:
-    return _empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks)
+    return _remember(_empty_dispatch(cfg, x, topk_idx, topk_weights, num_ranks))
+  if handle is not None:
+    x = _check_same_routing(x, topk_idx, handle, axis_name)
   if fp8 or is_fp8_pair(x):
     # FP8 payloads are forward-only: nothing flows back into x through them.
     x = jax.tree.map(jax.lax.stop_gradient, x)
-    return _dispatch_impl(cfg, x, topk_idx, topk_weights, handle)
-  return _dispatch_vjp(cfg, x, topk_idx, topk_weights, handle)
+    return _remember(_dispatch_impl(cfg, x, topk_idx, topk_weights, handle))
+  return _remember(_dispatch_vjp(cfg, x, topk_idx, topk_weights, handle))
+
+
+def _remember(out: DispatchOutput) -> DispatchOutput:
+  """out, its arrays noted as this dispatch's (see _check_same_dispatch)."""
+  origin = id(out.handle.recv_src_rank)
+  for a in (out.recv_x, out.recv_topk_weights, out.counts, out.handle.recv_src_rank):
+    note_origin(a, origin)
+  return out
+
+
+def _check_same_dispatch(handle: DispatchHandle, y, weights) -> None:
+  """ValueError when y or weights is known to come from another dispatch
+  than handle (by object identity: free, and silent where unknown)."""
+  h_from = origin_of(handle.recv_src_rank)
+  if h_from is None:
+    return
+  for name, a in (("y", y), ("weights", weights)):
+    a_from = None if a is None else origin_of(a)
+    if a_from is not None and a_from != h_from:
+      raise ValueError(f"handle and {name} come from two different dispatches: {name} holds "
+                       "the rows of one, handle is the handle of another; pass the handle of "
+                       "the dispatch whose rows y holds (combine(y, out.handle, "
+                       "out.recv_topk_weights))")
 
 
 def _dispatch_cfg(x, topk_idx, topk_weights, *, num_experts, axis_name, layout, capacity,
@@ -107,6 +133,20 @@ def _dispatch_cfg(x, topk_idx, topk_weights, *, num_experts, axis_name, layout, 
   cfg = _Cfg(num_experts, axis_name, layout, int(capacity), int(expert_alignment), bool(fp8),
              bool(ue8m0), backend)
   return cfg, num_ranks, t
+
+
+def _check_same_routing(x, topk_idx: jax.Array, handle: DispatchHandle, axis_name: str):
+  """x, checked at run time: a cached dispatch moves rows along the handle's
+  routing, so a topk_idx that differs from the one that made it would get
+  another routing's rows silently. Free when they are the same array (the
+  combine's backward, or `handle=out.handle` with the same topk_idx)."""
+  if topk_idx is handle.topk_idx:
+    return x
+  differ = jnp.sum(topk_idx != handle.topk_idx, dtype=jnp.int32)
+  return raise_if(differ > 0, "jax_ep dispatch: handle was made for another routing: topk_idx "
+                  "differs from the handle's in {} (token, k) entries on some rank; pass the "
+                  "topk_idx of the dispatch that made the handle", differ, axis_name=axis_name,
+                  carry=x)
 
 
 def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
@@ -142,9 +182,11 @@ def _sms(num_sms, recv_sms) -> dict:
 def _combine_cfg(y, handle, weights, *, axis_name, backend) -> _Cfg:
   """The checked configuration of a combine; raises ValueError naming the
   bad argument."""
+  ref.axis_size(axis_name)  # outside shard_map: say where to call it, before any shape
   _backend.check_backend(backend)
   if not isinstance(handle, DispatchHandle):
     raise ValueError(f"handle must be a DispatchHandle from dispatch, got {type(handle).__name__}")
+  _check_same_dispatch(handle, y, weights)
   c = handle.capacity
   if y.ndim != 2 or y.shape[0] != c:
     raise ValueError(f"y must be [C={c}, H] (the dispatch capacity), got shape {list(y.shape)}")

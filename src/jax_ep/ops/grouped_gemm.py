@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import _ffi, _native, fp8
+from jax_ep._checks import same_origin
 from jax_ep.ops._backend import _varying_axes, check_backend
 
 Array = jax.Array
@@ -171,8 +172,9 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
     [M, F] in out_dtype.
   """
   _check(x, w, group_sizes, masked=False, out_dtype=out_dtype, backend=backend)
-  return _run(x, w, group_sizes, out_dtype=out_dtype, stride=0, backend=backend,
-              num_sms=num_sms, reference=_ragged_reference)
+  out = _run(x, w, group_sizes, out_dtype=out_dtype, stride=0, backend=backend,
+             num_sms=num_sms, reference=_ragged_reference)
+  return same_origin(out, group_sizes)  # rows of the dispatch that counted them (combine checks)
 
 
 def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,

@@ -27,8 +27,8 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: str
                 num_ranks=num_ranks)
 
   def reference(idx):
-    ref._check_ids("get_dispatch_layout", idx, num_experts, axis_name)
-    return ref.get_dispatch_layout(idx, num_experts=num_experts, axis_name=axis_name)
+    layout = ref.get_dispatch_layout(idx, num_experts=num_experts, axis_name=axis_name)
+    return ref._check_ids("get_dispatch_layout", idx, num_experts, axis_name, layout)
 
   def cuda(comm):
     from jax_ep import _ffi

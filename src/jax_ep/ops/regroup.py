@@ -65,6 +65,8 @@ def group_by_expert(local_ids: jax.Array, *, num_local_experts: int,
 
 def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
   """x[rows] with zeros where rows < 0."""
+  if x.shape[0] == 0:  # no tokens anywhere: every row is padding (jnp.take refuses an empty axis)
+    return jnp.zeros((rows.shape[0], *x.shape[1:]), x.dtype)
   got = jnp.take(x, jnp.maximum(rows, 0), axis=0)
   return jnp.where((rows >= 0)[:, None], got, jnp.zeros((), x.dtype))
 

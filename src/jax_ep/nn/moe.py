@@ -27,8 +27,7 @@ from jax_ep import mesh as _mesh
 from jax_ep import reference as _ref
 from jax_ep.ops.dispatch import combine, dispatch
 from jax_ep.ops.overlap import dispatch_done, dispatch_start, ordered_after
-from jax_ep.ops.grouped_gemm import grouped_matmul
-from jax_ep.ops.fp8_emulation import grouped_matmul_fp8_emulated
+from jax_ep.ops.grouped_gemm import grouped_matmul, grouped_matmul_fp8
 from jax_ep.ops import regroup as _regroup
 
 SCORE_FNS = ("softmax", "sigmoid")
@@ -137,11 +136,14 @@ def expert_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, precisi
   unless backend is "reference"). "fp8": activations cast to e4m3 per token
   and 128 channels (or x_fp8, rows already in FP8), weights per 128 x 128
   block, f32 accumulation; the backward casts dy the same way (dgrad) and x,
-  dy per 128 tokens (wgrad). For now that is the pure-JAX emulation
-  (jax_ep.ops.fp8_emulation) on every backend.
+  dy per 128 tokens of each group (wgrad): jax_ep.grouped_matmul_fp8's
+  training form, on the FP8 kernels on GPU and the same casts in pure JAX
+  elsewhere. Its products come out in bf16.
   """
   if precision == "fp8":
-    return grouped_matmul_fp8_emulated(x, w, group_sizes, x_fp8=x_fp8, out_dtype=out_dtype)
+    out = grouped_matmul_fp8(x, w, group_sizes, x_fp8=x_fp8,
+                             backend="reference" if backend == "reference" else None)
+    return out.astype(out_dtype or x.dtype)
   return grouped_matmul(x, w, group_sizes, out_dtype=out_dtype,
                         backend="reference" if backend == "reference" else None)
 
@@ -312,8 +314,8 @@ class MoE(nnx.Module):
       dgrad and wgrad through FP8 too (`expert_matmul`); the rows travel as
       FP8 (fp8_dispatch) and go into the first GEMM as they arrived. hidden,
       ffn and shared_ffn must be multiples of 128 and param_dtype float32 or
-      bfloat16. For now an emulation in pure JAX (dequantise, f32 matmul)
-      on every backend: it checks training quality, not speed.
+      bfloat16. On GPU the FP8 grouped GEMM kernels (grouped_matmul_fp8),
+      elsewhere the same casts in pure JAX.
     mesh, axis_name: experts are split over `axis_name`; tokens too.
     data_axis: a second mesh axis for data parallelism: tokens are split over
       (data_axis, axis_name) together, experts over `axis_name` and

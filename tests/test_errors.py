@@ -418,6 +418,14 @@ def test_combine_with_the_handle_of_another_dispatch_is_a_value_error_naming_han
     with pytest.raises(ValueError, match="handle and y come from two different dispatches"):
         run_sharded(R, through_experts, x, idx, idx2, w)
 
+    def split(x, i, i2, w):                     # the rows of a dispatch_start / dispatch_done
+        a = jax_ep.dispatch(x, i, w, num_experts=E)
+        b = jax_ep.dispatch_done(jax_ep.dispatch_start(x, i2, w, num_experts=E))
+        return jax_ep.combine(b.recv_x, a.handle)
+
+    with pytest.raises(ValueError, match="handle and y come from two different dispatches"):
+        run_sharded(R, split, x, idx, idx2, w)
+
     def same(x, i, i2, w):
         a = jax_ep.dispatch(x, i, w, num_experts=E, layout="expert")
         b = jax_ep.dispatch(x, i2, w, num_experts=E, layout="expert")

@@ -90,9 +90,10 @@ def dispatch_done(pending: PendingDispatch, *, after: Any = None) -> DispatchOut
     raise ValueError(f"dispatch_done takes the PendingDispatch of dispatch_start, got "
                      f"{type(pending).__name__}")
   if not pending.on_side:
-    return pending.out
+    return _d._remember(pending.out)
   after = tuple(jax.tree.leaves(after))
-  return _dispatch_done_vjp(pending.cfg, pending.out, pending.x, pending.topk_weights, after)
+  return _d._remember(_dispatch_done_vjp(pending.cfg, pending.out, pending.x,
+                                         pending.topk_weights, after))
 
 
 def combine_start(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,

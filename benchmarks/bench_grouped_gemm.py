@@ -267,7 +267,31 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
     del wf, wb
 
 
-def run(quick: bool, fp8_only: bool = False) -> list[dict]:
+def _cast_records(quick, rec, sizes_np, key) -> None:
+  """The FP8 casts alone, up projection (weights [128, 7168, 2048] in both
+  orientations; x [M, 7168] token-major), with the bytes each moves."""
+  import jax
+  import jax.numpy as jnp
+  import jax_ep
+  from jax_ep.ops import grouped_gemm as gg
+  k, n = _products("up")
+  k1, k2 = jax.random.split(key)
+  wb = (jax.random.normal(k2, (EXPERTS, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  t = bn.time_or_none("fp8_weights", jax_ep.fp8_weights, (wb,), quick, max_iters=10)
+  rec("up", "cast", "jax_ep_fp8_cast_weights", t, 0.0, None, dtype="fp8",
+      hbm_gbps=None if t is None else EXPERTS * k * n * (2 + 2) / t / 1e9)
+  del wb
+  sizes = jnp.asarray(sizes_np)
+  m = int(sizes_np.sum())
+  xb = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+  p = gg.padded_token_count(m, EXPERTS)
+  tok = jax.jit(gg.quantize_token_major)
+  t = bn.time_or_none("token-major cast", lambda a, s=sizes: tok(a, s), (xb,), quick, max_iters=10)
+  rec("up", "cast", "jax_ep_fp8_cast_tokens", t, 0.0, None, dtype="fp8", routing="random",
+      padded_rows=m, hbm_gbps=None if t is None else (m * k * 2 + p * k) / t / 1e9)
+
+
+def run(quick: bool, fp8_only: bool = False, casts_only: bool = False) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import jax_ep
@@ -297,6 +321,9 @@ def run(quick: bool, fp8_only: bool = False) -> list[dict]:
   dense_up_fwd = None
   dense_call = batched_call = None
   dense_by = {}
+  if casts_only:
+    _cast_records(quick, rec, sizes_np, key)
+    return records
   if fp8_only:
     # The dense bf16 matmul of each direction (forward, and forward +
     # backward) is the one baseline the FP8 records need.
@@ -445,10 +472,11 @@ def run(quick: bool, fp8_only: bool = False) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  fp8_only = "--fp8-only" in (argv if argv is not None else sys.argv[1:])
-  if fp8_only:
-    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--fp8-only"]
-  args = bn.simple_args(__doc__ + "\n  --fp8-only  the dense baselines and the FP8 records only", argv)
+  argv = list(argv if argv is not None else sys.argv[1:])
+  fp8_only, casts_only = "--fp8-only" in argv, "--fp8-casts-only" in argv
+  argv = [a for a in argv if a not in ("--fp8-only", "--fp8-casts-only")]
+  args = bn.simple_args(__doc__ + "\n  --fp8-only  the dense baselines and the FP8 records only"
+                        "\n  --fp8-casts-only  the FP8 casts alone", argv)
   try:
     import jax
     gpus = jax.devices("gpu")
@@ -459,7 +487,7 @@ def main(argv=None) -> int:
     print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
           file=sys.stderr)
     return 2
-  records = run(args.quick, fp8_only)
+  records = run(args.quick, fp8_only, casts_only)
   for r in records:
     r.update(ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   bn.run_records.stamp(records, bn._machine(gpus[:1]))

@@ -210,15 +210,13 @@ def test_low_latency_kernels_in_a_decode_loop_with_and_without_command_buffers(c
   assert "equal=True" in line[0], line[0]
 
 
-@pytest.mark.parametrize("path", ["cuda", "kernels"])
 @pytest.mark.parametrize("extra", [-1, 0, 1])
-def test_low_latency_dispatch_at_under_and_one_row_over_r_times_max_tokens(comm, path, extra):
+def test_low_latency_dispatch_at_under_and_one_row_over_r_times_max_tokens(comm, extra):
   """The GPU twin of test_low_latency.py's edge test: an expert receiving
   R*max_tokens - 1 or R*max_tokens rows equals the reference (counts and
   every valid row); one row more raises "overflow" (when a result is read,
-  or at comm.check() in deferred mode), never drops a row. path "cuda":
-  backend="cuda"; "kernels": the dedicated kernels."""
-  from jax_ep.ops import low_latency as ll
+  or at comm.check() in deferred mode), never drops a row. backend="cuda"
+  runs the dedicated kernels."""
   R, T, K, H = comm.num_ranks, 8, 2, 256
   E, mt = 4 * R, T
   idx = np.full((R, T, K), -1, np.int32)
@@ -230,10 +228,7 @@ def test_low_latency_dispatch_at_under_and_one_row_over_r_times_max_tokens(comm,
   x = np.random.default_rng(990 + extra).standard_normal((R, T, H)).astype(jnp.bfloat16)
 
   def per_rank(x, i):
-    if path == "kernels":
-      o = ll.kernel_dispatch(x, i, num_experts=E, max_tokens=mt, reserved_bytes=LL_RESERVED)
-    else:
-      o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, backend="cuda")
+    o = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, backend="cuda")
     r = jax_ep.low_latency_dispatch(x, i, num_experts=E, max_tokens=mt, backend="reference") \
         if extra < 1 else o
     return o.recv_x, o.recv_count, r.recv_x, r.recv_count

@@ -5,6 +5,7 @@ program; precision="fp8" on the FP8 kernels against the same casts on the
 reference backend; both train without NaN; one program per step."""
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -80,8 +81,9 @@ def test_fp8_swiglu_layer_on_the_fp8_kernels_matches_the_reference_backend():
     assert _rel(gk[k], gr[k]) < 3e-2, (k, _rel(gk[k], gr[k]))
   model = _model(None, precision="fp8", shared_ffn=None)
   graph, state = nnx.split(model)
-  hlo = jax.jit(lambda s, x: nnx.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32)))(
-      nnx.merge(graph, s), x)).lower(state, x).as_text()
+  hlo = jax.jit(lambda s, x: nnx.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32)),
+                                      argnums=(0, 1))(nnx.merge(graph, s), x)).lower(
+                                          state, x).as_text()
   assert hlo.count("jax_ep_grouped_gemm_fp8") >= 6, "forward, dgrad and wgrad of both GEMMs"
 
 
@@ -106,8 +108,12 @@ def test_train_step_compiles_once_and_stays_finite(precision):
   nnx.update(opt, place_replicated(nnx.state(opt), mesh))
   x = _x()
   graph, state = nnx.split((model, opt))
+  # The state comes back with the shardings it went in with, so the second
+  # step's inputs look like the first's (on a one-device mesh jit would
+  # otherwise hand back single-device shardings, a new signature).
+  shardings = jax.tree.map(lambda a: a.sharding, state)
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=(NamedSharding(mesh, P()), shardings))
   def step(state, x):
     model, opt = nnx.merge(graph, state)
     loss, grads = nnx.value_and_grad(

@@ -147,6 +147,22 @@ assert info["nccl_wheel"] == "nvidia-nccl-cu12", info["nccl_wheel"]
 assert info["cutlass_headers"].startswith("4.2"), info["cutlass_headers"]
 assert not info["testing_built"]
 PYEOF
+
+# The test harness is not in the release wheel: its translation units, and
+# the bindings with it switched on, compiled alone with the same nvcc 12
+# (as .ci/run does for CUDA 13). jaxlib only for its XLA FFI headers.
+"$PY" -m pip install -q --no-deps "jaxlib>=0.10,<0.13" "nanobind>=2.0"
+inc=(-I"$REPO/ffi" "-I$("$PY" -c 'import jaxlib, os; print(os.path.join(os.path.dirname(jaxlib.__file__), "include"))')"
+     "-I$SITE/nvidia/nccl/include"
+     "-I$("$PY" -c 'import nanobind; print(nanobind.include_dir())')"
+     "-I$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')")
+for src in "$REPO"/ffi/testing/*.cc "$REPO"/ffi/testing/*.cu "$REPO/ffi/handlers/bindings.cc"; do
+  "$NVCC" -x cu -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+    -DJAX_EP_WITH_CUDA=1 -DJAX_EP_TESTING=1 "${inc[@]}" -c "$src" -o "$WORK/harness.o" \
+    || { echo "cuda12: $src does not compile with CUDA 12 (JAX_EP_TESTING=1)" >&2; exit 1; }
+done
+say "the test harness compiles with CUDA 12"
+
 if [ -n "${JAX_EP_CU12_KEEP:-}" ]; then
   mkdir -p "$REPO/build" && cp "$WHEEL" "$REPO/build/"
   echo "cuda12: wheel kept at $REPO/build/$(basename "$WHEEL")"

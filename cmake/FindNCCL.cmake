@@ -1,7 +1,7 @@
 # Finds NCCL (headers with the device API, and libnccl.so.2): NCCL_ROOT, the
 # nvidia-nccl-cu13 / -cu12 pip wheel of the building Python, then the system.
 # Defines NCCL_FOUND, NCCL_INCLUDE_DIR, NCCL_LIBRARY, NCCL_LIBRARY_DIR,
-# NCCL_VERSION and the imported target NCCL::NCCL.
+# NCCL_VERSION, NCCL_WHEEL and the imported target NCCL::NCCL.
 set(_nccl_hints "")
 if(NCCL_ROOT)
   list(APPEND _nccl_hints "${NCCL_ROOT}")
@@ -37,6 +37,16 @@ if(NCCL_INCLUDE_DIR)
   string(REGEX REPLACE ".*NCCL_MINOR ([0-9]+).*" "\\1" _min "${_nccl_ver}")
   string(REGEX REPLACE ".*NCCL_PATCH ([0-9]+).*" "\\1" _pat "${_nccl_ver}")
   set(NCCL_VERSION "${_maj}.${_min}.${_pat}")
+  # Which pip wheel the headers came from (nvidia-nccl-cu12 or -cu13: the
+  # same version number, built for different CUDA majors); empty otherwise.
+  file(GLOB _nccl_dists "${NCCL_INCLUDE_DIR}/../../../nvidia_nccl_cu*.dist-info")
+  set(NCCL_WHEEL "")
+  foreach(_d IN LISTS _nccl_dists)
+    get_filename_component(_d "${_d}" NAME)
+    string(REGEX REPLACE "^nvidia_nccl_(cu[0-9]+)-.*" "nvidia-nccl-\\1" _d "${_d}")
+    list(APPEND NCCL_WHEEL "${_d}")
+  endforeach()
+  list(JOIN NCCL_WHEEL "," NCCL_WHEEL)
 endif()
 
 include(FindPackageHandleStandardArgs)

@@ -32,6 +32,7 @@ NB_MODULE(_jax_ep, m) {
   info["cuda_toolkit"] = JAX_EP_BUILD_CUDA;
   info["cuda_archs"] = JAX_EP_BUILD_ARCHS;
   info["nccl_headers"] = JAX_EP_BUILD_NCCL;
+  info["nccl_wheel"] = JAX_EP_BUILD_NCCL_WHEEL;  // nvidia-nccl-cu12 / -cu13, or ""
   info["cutlass_headers"] = JAX_EP_BUILD_CUTLASS;
   m.attr("build_info") = info;
 }

@@ -34,7 +34,8 @@ RESULTS_DIR = os.path.join(HERE, "results")
 # Settings that change what a benchmark measures; the command records them
 # beside argv because the same argv measures something else without them.
 _ENV_PREFIXES = ("JAX_EP_", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
-_ENV_LEFT_OUT = ("JAX_EP_COMMIT", "JAX_EP_CUDA")  # labels and build switches, not settings of a run
+# Labels, build switches and CI's own paths, not settings of a run.
+_ENV_LEFT_OUT = ("JAX_EP_COMMIT", "JAX_EP_CUDA", "JAX_EP_CI_VENV", "JAX_EP_CI_WHEELS")
 
 # What each communicator a benchmark opened reported about its peers: the
 # records of jax_ep's variants carry it (set by note_communicator).

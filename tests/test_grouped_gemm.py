@@ -332,7 +332,7 @@ def test_cuda_lowering_of_fp8_training_holds_forward_dgrad_and_wgrad():
 
   if not _native.cuda_built():
     pytest.skip("backend='cuda' needs the CUDA build to trace")
-  checks = [jax.export.DisabledSafetyCheck.custom_call("jax_ep_grouped_gemm_fp8")]
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _native.TARGETS]
   exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
                           disabled_checks=checks)(x, w, s)
   assert exp.mlir_module().count("custom_call @jax_ep_grouped_gemm_fp8") == 3

@@ -185,11 +185,18 @@ def _latest(runs, pred: Callable[[dict], bool]) -> Optional[tuple[str, list[dict
 COMM_COLS = ["bench", "impl", "dtype", "tokens_per_rank", "ranks", "time_us", "digest_us", "kernel_us",
              "nvlink_gbps", "logical_gbps", "ratio_to_copy_engine", "sms", "path", "transport", "env",
              "path_detail"]
+GG_COLS = ["direction", "mode", "routing", "impl", "dtype", "time_us", "ratio_to_dense",
+           "ratio_to_bf16", "tflops", "weight_read_gbps", "path"]
 HEADLINES = [
-    ("Grouped GEMM (one GPU): bf16 and FP8 against the dense matmul of the same FLOPs",
-     "grouped_gemm", lambda r: True,
-     ["direction", "mode", "routing", "impl", "dtype", "time_us", "ratio_to_dense", "ratio_to_bf16",
-      "tflops", "path"]),
+    # Three kinds of grouped-GEMM runs: the whole benchmark (every
+    # implementation side by side), --fp8-only (the FP8 products beside the
+    # bf16 kernels) and --fp8-casts-only; each headline is the newest of its kind.
+    ("Grouped GEMM (one GPU): every implementation against the dense matmul of the same FLOPs",
+     "grouped_gemm", lambda r: r.get("impl") == "jax_padded_einsum", GG_COLS),
+    ("Grouped GEMM FP8 (one GPU): forward, dgrad, wgrad, masked and the whole vjp beside the bf16 kernels",
+     "grouped_gemm", lambda r: r.get("impl") == "jax_ep_fp8_dgrad", GG_COLS),
+    ("FP8 casts of the grouped GEMM's training path (one GPU)",
+     "grouped_gemm", lambda r: r.get("mode") == "cast", GG_COLS + ["hbm_gbps"]),
     ("Normal dispatch / combine at EP2 (4096 tokens/rank, H = 7168, top-8 of 256)",
      "normal", lambda r: r.get("ranks") == 2 and r.get("tokens_per_rank") == 4096
      and "count_batch" not in r, COMM_COLS),

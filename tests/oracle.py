@@ -128,13 +128,15 @@ def assert_fixed_order_exact(got: np.ndarray, expected_for_mode, what: str = "co
 # --------------------------------------------------------------------------- FP8
 
 
-def quantize_fp8(x: np.ndarray, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8(x: np.ndarray, ue8m0: bool = False,
+                 block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Per token, per 128-channel block: amax in f32, s = max(amax, 1e-4)*(1/448),
     optional power-of-two rounding up (UE8M0, from the f32 bits), q = e4m3(
-    clip(x * (1/s), ±448)).  x[..., H] -> (q[..., H] e4m3, s[..., H/128] f32)."""
+    clip(x * (1/s), ±448)).  x[..., H] -> (q[..., H] e4m3, s[..., H/128] f32).
+    `block`: the run of the last axis that shares one scale."""
     H = x.shape[-1]
-    assert H % FP8_BLOCK == 0
-    xb = x.astype(np.float32).reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
+    assert H % block == 0
+    xb = x.astype(np.float32).reshape(*x.shape[:-1], H // block, block)
     amax = np.max(np.abs(xb), axis=-1)
     # s = max(amax, 1e-4) * float32(1/448): XLA turns the division into this product.
     s = (np.maximum(amax, np.float32(1e-4)) * (np.float32(1.0) / np.float32(E4M3_MAX))).astype(np.float32)
@@ -161,12 +163,12 @@ def fp8_round_trip(x: np.ndarray) -> np.ndarray:
 def fp8_block_round_trip(w: np.ndarray) -> np.ndarray:
     """w[G, H, F] cast per 128 x 128 block and back, in float64."""
     G, H, F = w.shape
-    b = w.astype(np.float32).reshape(G, H // FP8_BLOCK, FP8_BLOCK, F // FP8_BLOCK, FP8_BLOCK)
-    amax = np.max(np.abs(b), axis=(2, 4))
-    s = (np.maximum(amax, np.float32(1e-4)) * (np.float32(1.0) / np.float32(E4M3_MAX))).astype(np.float32)
-    inv = (np.float32(1.0) / s).astype(np.float32)
-    q = np.clip((b * inv[:, :, None, :, None]).astype(np.float32), -E4M3_MAX, E4M3_MAX).astype(FP8)
-    return (q.astype(np.float64) * s[:, :, None, :, None]).reshape(G, H, F)
+    hb, fb, n = H // FP8_BLOCK, F // FP8_BLOCK, FP8_BLOCK * FP8_BLOCK
+    # Each 128 x 128 block as one run of the last axis.
+    b = w.reshape(G, hb, FP8_BLOCK, fb, FP8_BLOCK).transpose(0, 1, 3, 2, 4).reshape(G, hb, fb, n)
+    q, s = quantize_fp8(b, block=n)
+    v = q.astype(np.float64) * s.astype(np.float64)
+    return v.reshape(G, hb, fb, FP8_BLOCK, FP8_BLOCK).transpose(0, 1, 3, 2, 4).reshape(G, H, F)
 
 
 def fp8_token_round_trip(x: np.ndarray, sizes) -> np.ndarray:

@@ -37,14 +37,22 @@ def quantize(x: jax.Array, *, ue8m0: bool = False) -> tuple[jax.Array, jax.Array
   if h % BLOCK:
     raise ValueError(f"hidden size {h} must be a multiple of {BLOCK} for FP8")
   xb = x.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK)
-  amax = jnp.max(jnp.abs(xb), axis=-1)
+  s = scale_of(jnp.max(jnp.abs(xb), axis=-1), ue8m0=ue8m0)
+  return cast(xb, s, -1).reshape(*lead, h), s
+
+
+def scale_of(amax: jax.Array, *, ue8m0: bool = False) -> jax.Array:
+  """The scale of a block whose largest magnitude is amax (f32)."""
   # x / 448 would become x * (1/448) inside XLA anyway; say so explicitly.
   s = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * INV_E4M3_MAX
-  if ue8m0:
-    s = ue8m0_round_up(s)
-  inv = reciprocal_rn(s)
-  q = to_e4m3(jnp.clip(xb * inv[..., None], -E4M3_MAX, E4M3_MAX))
-  return q.reshape(*lead, h), s
+  return ue8m0_round_up(s) if ue8m0 else s
+
+
+def cast(xb: jax.Array, s: jax.Array, axis) -> jax.Array:
+  """xb (f32) in e4m3 with the scales s, which lack xb's block axes `axis`
+  (an int or a tuple): q = e4m3(clip(x * (1/s), +-448))."""
+  inv = jnp.expand_dims(reciprocal_rn(s), axis)
+  return to_e4m3(jnp.clip(xb * inv, -E4M3_MAX, E4M3_MAX))
 
 
 def reciprocal_rn(s: jax.Array) -> jax.Array:

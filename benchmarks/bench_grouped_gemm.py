@@ -472,11 +472,9 @@ def run(quick: bool, fp8_only: bool = False, casts_only: bool = False) -> list[d
 
 
 def main(argv=None) -> int:
-  argv = list(argv if argv is not None else sys.argv[1:])
-  fp8_only, casts_only = "--fp8-only" in argv, "--fp8-casts-only" in argv
-  argv = [a for a in argv if a not in ("--fp8-only", "--fp8-casts-only")]
-  args = bn.simple_args(__doc__ + "\n  --fp8-only  the dense baselines and the FP8 records only"
-                        "\n  --fp8-casts-only  the FP8 casts alone", argv)
+  args = bn.simple_args(__doc__, argv, flags=(
+      ("--fp8-only", "the dense baselines and the FP8 records only"),
+      ("--fp8-casts-only", "the FP8 casts alone")))
   try:
     import jax
     gpus = jax.devices("gpu")
@@ -487,7 +485,7 @@ def main(argv=None) -> int:
     print("bench_grouped_gemm: needs a GPU and jax_ep's CUDA build; nothing measured",
           file=sys.stderr)
     return 2
-  records = run(args.quick, fp8_only, casts_only)
+  records = run(args.quick, args.fp8_only, args.fp8_casts_only)
   for r in records:
     r.update(ranks=1, tokens_per_rank=ROWS // 8, hidden=HIDDEN, topk=8)
   bn.run_records.stamp(records, bn._machine(gpus[:1]))

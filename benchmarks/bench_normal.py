@@ -358,11 +358,14 @@ def fmt(v, spec: str = ".1f") -> str:
   return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(int(spec.split(".")[0] or 0))
 
 
-def simple_args(doc: str, argv=None) -> argparse.Namespace:
-  """--out / --quick, the options of the benchmark scripts that time one shape."""
+def simple_args(doc: str, argv=None, flags: tuple[tuple[str, str], ...] = ()) -> argparse.Namespace:
+  """--out / --quick, the options of the benchmark scripts that time one shape,
+  and a script's own on/off `flags` ((name, help) pairs)."""
   ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
   ap.add_argument("--quick", action="store_true", help="fewer iterations")
+  for name, text in flags:
+    ap.add_argument(name, action="store_true", help=text)
   return ap.parse_args(argv)
 
 

@@ -209,9 +209,8 @@ def quantize_weights_fp8(w: Array) -> tuple[Array, Array]:
   if h % fp8.BLOCK or f % fp8.BLOCK:
     raise ValueError(f"H={h} and F={f} must be multiples of {fp8.BLOCK} for FP8 weights")
   b = w.astype(jnp.float32).reshape(g, h // fp8.BLOCK, fp8.BLOCK, f // fp8.BLOCK, fp8.BLOCK)
-  s = jnp.maximum(jnp.max(jnp.abs(b), axis=(2, 4)), jnp.float32(fp8.AMAX_FLOOR)) * fp8.INV_E4M3_MAX
-  inv = fp8.reciprocal_rn(s)
-  q = fp8.to_e4m3(jnp.clip(b * inv[:, :, None, :, None], -fp8.E4M3_MAX, fp8.E4M3_MAX))
+  s = fp8.scale_of(jnp.max(jnp.abs(b), axis=(2, 4)))
+  q = fp8.cast(b, s, (2, 4))
   return jnp.transpose(q.reshape(g, h, f), (0, 2, 1)), s
 
 
@@ -297,11 +296,6 @@ def _fp8_product(xq, xs, wq, ws, sizes, *, masked: bool, backend, num_sms):
   return _pick(kernel, ref, backend, xq, xs, wq, ws, sizes)
 
 
-def _run_fp8(x, w, sizes, *, masked: bool, backend, num_sms):
-  (xq, xs), (wq, ws) = x, w
-  return _fp8_product(xq, xs, wq, ws, sizes, masked=masked, backend=backend, num_sms=num_sms)
-
-
 # --- FP8 training: both weight orientations, token-major operands ----------
 
 
@@ -384,10 +378,8 @@ def quantize_token_major(x: Array, sizes: Array, *, backend: Optional[str] = Non
     src = jnp.where(valid, chunk_src[:, None] + t[None, :], 0).reshape(p)
     xp = jnp.where(valid.reshape(p)[:, None], x[src].astype(jnp.float32), 0.0)
     xb = xp.reshape(p // fp8.BLOCK, fp8.BLOCK, c)
-    amax = jnp.max(jnp.abs(xb), axis=1)
-    s = jnp.maximum(amax, jnp.float32(fp8.AMAX_FLOOR)) * fp8.INV_E4M3_MAX
-    q = fp8.to_e4m3(jnp.clip(xb * fp8.reciprocal_rn(s)[:, None, :], -fp8.E4M3_MAX,
-                             fp8.E4M3_MAX))
+    s = fp8.scale_of(jnp.max(jnp.abs(xb), axis=1))
+    q = fp8.cast(xb, s, 1)
     return jnp.transpose(q.reshape(p, c)), s
 
   def kernel(x, chunk_src, chunk_rows):
@@ -422,25 +414,30 @@ def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
   return _pick(kernel, ref, backend, xq, xs, dq, ds, psizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fp8_train(x, w, sizes, wf, x_fp8, backend, num_sms):
+def _fp8_train_forward(x, sizes, wf, x_fp8, backend, num_sms):
   xq, xs = fp8.quantize(x) if x_fp8 is None else x_fp8
   return _fp8_product(xq, xs, wf.q, wf.s, sizes, masked=False, backend=backend, num_sms=num_sms)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fp8_train(x, w, sizes, wf, x_fp8, backend, num_sms):
+  return _fp8_train_forward(x, sizes, wf, x_fp8, backend, num_sms)
+
+
 def _fp8_train_fwd(x, w, sizes, wf, x_fp8, backend, num_sms):
-  out = _fp8_train(x, w, sizes, wf, x_fp8, backend, num_sms)
-  # The weight gradient casts x along the tokens from the values at hand:
-  # x itself, or the FP8 rows when only those arrived.
-  xv = x if x_fp8 is None else fp8.dequantize(*x_fp8, jnp.float32)
-  return out, (xv, x, w, sizes, wf.q_t, wf.s_t, x_fp8)
+  out = _fp8_train_forward(x, sizes, wf, x_fp8, backend, num_sms)
+  return out, (x, w, sizes, wf.q_t, wf.s_t, x_fp8)
 
 
 def _fp8_train_bwd(backend, num_sms, res, dy):
-  xv, x, w, sizes, q_t, s_t, x_fp8 = res
+  x, w, sizes, q_t, s_t, x_fp8 = res
   dy = dy.astype(jnp.bfloat16)
   dq, ds = fp8.quantize(dy)
   dx = _fp8_product(dq, ds, q_t, s_t, sizes, masked=False, backend=backend, num_sms=num_sms)
+  # The weight gradient casts x along the tokens from the values at hand:
+  # x itself, or the FP8 rows when only those arrived (dequantised here, not
+  # kept as an f32 residual since the forward).
+  xv = x if x_fp8 is None else fp8.dequantize(*x_fp8, jnp.float32)
   dw = _fp8_wgrad(xv, dy, sizes, backend=backend, num_sms=num_sms)
   ct_fp8 = None if x_fp8 is None else tuple(jnp.zeros_like(a) for a in x_fp8)
   return (_match_vma(dx.astype(x.dtype), x), _match_vma(dw.astype(w.dtype), w), None, None,
@@ -502,7 +499,7 @@ def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] 
     if w_fp8 is not None:
       raise ValueError("w_fp8 goes with master weights w [G, H, F], not with an FP8 (wq, ws) pair")
     _check_fp8(x, w, group_sizes, masked=False, backend=backend)
-    return _run_fp8(x, w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
+    return _fp8_product(*x, *w, group_sizes, masked=False, backend=backend, num_sms=num_sms)
   _check_fp8_train(x, w, group_sizes, w_fp8, backend)
   if x_fp8 is not None:
     xq, xs = x_fp8
@@ -525,4 +522,4 @@ def masked_grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], co
   """masked_grouped_matmul on FP8 operands: x = (xq [G, S, H], xs [G, S, H/128])
   as low_latency_dispatch returns them; rows past counts[g] are unspecified."""
   _check_fp8(x, w, counts, masked=True, backend=backend)
-  return _run_fp8(x, w, counts, masked=True, backend=backend, num_sms=num_sms)
+  return _fp8_product(*x, *w, counts, masked=True, backend=backend, num_sms=num_sms)

@@ -27,7 +27,10 @@ from jax_ep import mesh as _mesh
 from jax_ep import reference as _ref
 from jax_ep.ops.dispatch import combine, dispatch
 from jax_ep.ops.overlap import dispatch_done, dispatch_start, ordered_after
-from jax_ep.ops.grouped_gemm import grouped_matmul, grouped_matmul_fp8
+from jax_ep.ops.grouped_gemm import (Fp8Weights, fp8_weights as _fp8_weights, grouped_matmul,
+                                     grouped_matmul_fp8, masked_grouped_matmul,
+                                     masked_grouped_matmul_fp8, quantize_weights_fp8)
+from jax_ep.ops.low_latency import low_latency_combine, low_latency_dispatch
 from jax_ep.ops import regroup as _regroup
 
 SCORE_FNS = ("softmax", "sigmoid")
@@ -126,40 +129,50 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
   return jnp.concatenate([gate, up], axis=-1)
 
 
-def expert_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, precision: str = "bf16",
+def expert_matmul(x: jax.Array, w, group_sizes: jax.Array, *, precision: str = "bf16",
                   out_dtype=None, backend: Optional[str] = None,
-                  x_fp8: Optional[tuple[jax.Array, jax.Array]] = None) -> jax.Array:
+                  x_fp8: Optional[tuple[jax.Array, jax.Array]] = None,
+                  w_fp8: Optional[Fp8Weights] = None) -> jax.Array:
   """The layer's expert GEMM (x [M, K] groups times w [G, K, N]) at its
   precision; every expert matmul of the layer goes through here.
 
   "bf16": jax_ep.grouped_matmul (the CUDA kernel for bf16 operands on GPU,
   unless backend is "reference"). "fp8": activations cast to e4m3 per token
   and 128 channels (or x_fp8, rows already in FP8), weights per 128 x 128
-  block, f32 accumulation; the backward casts dy the same way (dgrad) and x,
-  dy per 128 tokens of each group (wgrad): jax_ep.grouped_matmul_fp8's
-  training form, on the FP8 kernels on GPU and the same casts in pure JAX
-  elsewhere. Its products come out in bf16.
+  block (or w_fp8, the blocks cached since the last optimizer update), f32
+  accumulation; the backward casts dy the same way (dgrad) and x, dy per 128
+  tokens of each group (wgrad): jax_ep.grouped_matmul_fp8's training form,
+  on the FP8 kernels on GPU and the same casts in pure JAX elsewhere. w may
+  also be held FP8 blocks (wq [G, N, K], ws), as `MoE.to_fp8_inference`
+  keeps them: the forward product alone, not differentiable in w. Its
+  products come out in bf16.
   """
+  be = "reference" if backend == "reference" else None
   if precision == "fp8":
-    out = grouped_matmul_fp8(x, w, group_sizes, x_fp8=x_fp8,
-                             backend="reference" if backend == "reference" else None)
+    if isinstance(w, tuple):
+      rows = x_fp8 if x_fp8 is not None else _fp8.quantize(x)
+      out = grouped_matmul_fp8(rows, w, group_sizes, backend=be)
+    else:
+      out = grouped_matmul_fp8(x, w, group_sizes, x_fp8=x_fp8, w_fp8=w_fp8, backend=be)
     return out.astype(out_dtype or x.dtype)
-  return grouped_matmul(x, w, group_sizes, out_dtype=out_dtype,
-                        backend="reference" if backend == "reference" else None)
+  return grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, backend=be)
 
 
-def _dense(x, w, *, precision: str, out_dtype):
+def _dense(x, w, *, precision: str, out_dtype, w_fp8=None):
   """x [T, K] @ w [K, N] with f32 accumulation: XLA's dot in bf16, the FP8
-  expert GEMM (one group of every row) in fp8."""
+  expert GEMM (one group of every row) in fp8 (w, or its held blocks, and
+  w_fp8 with one group axis)."""
   if precision == "fp8":
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    return expert_matmul(x, w[None], sizes, precision=precision, out_dtype=out_dtype)
+    w = w if isinstance(w, tuple) else w[None]
+    return expert_matmul(x, w, sizes, precision=precision, out_dtype=out_dtype, w_fp8=w_fp8)
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def shared_expert(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                   w_gate: Optional[jax.Array] = None, *, activation: str = "gelu",
-                  dtype=jnp.bfloat16, out_dtype=jnp.float32, precision: str = "bf16") -> jax.Array:
+                  dtype=jnp.bfloat16, out_dtype=jnp.float32, precision: str = "bf16",
+                  w_fp8: Optional[tuple] = None) -> jax.Array:
   """The shared expert: a dense MLP every token goes through.
 
   gelu, plain: gelu(x @ w_in) @ w_out; gated: (gelu(x @ w_gate) * (x @ w_in))
@@ -173,25 +186,29 @@ def shared_expert(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   Args:
     x: [T, H] in dtype; w_in, w_gate: [H, Fs] (swiglu: w_in [H, 2Fs], no
       w_gate); w_out: [Fs, H] (in dtype).
-    precision: "bf16" or "fp8" (`expert_matmul`).
+    precision: "bf16" or "fp8" (`expert_matmul`; with fp8 each weight may be
+      held FP8 blocks).
+    w_fp8: fp8 only: (w_in, w_out, w_gate)'s cached Fp8Weights (one group
+      axis), entries None where the step casts the weight itself.
   Returns:
     [T, H] in out_dtype (f32 by default, so that adding it to the routed
     output rounds once).
   """
+  w_fp8 = tuple(w_fp8 or ()) + (None,) * 3
   dense = functools.partial(_dense, precision=precision)
   if activation == "swiglu":
     if w_gate is not None:
       raise ValueError("a SwiGLU shared expert takes its gate in w_in ([H, 2Fs], gate then up); "
                        "w_gate must be None")
-    h = swiglu(dense(x, w_in, out_dtype=dtype), dtype)
+    h = swiglu(dense(x, w_in, out_dtype=dtype, w_fp8=w_fp8[0]), dtype)
   else:
-    h = dense(x, w_in, out_dtype=jnp.float32)
+    h = dense(x, w_in, out_dtype=jnp.float32, w_fp8=w_fp8[0])
     if w_gate is None:
       h = jax.nn.gelu(h)
     else:
-      h = jax.nn.gelu(dense(x, w_gate, out_dtype=jnp.float32)) * h
+      h = jax.nn.gelu(dense(x, w_gate, out_dtype=jnp.float32, w_fp8=w_fp8[2])) * h
     h = h.astype(dtype)
-  return dense(h, w_out, out_dtype=out_dtype)
+  return dense(h, w_out, out_dtype=out_dtype, w_fp8=w_fp8[1])
 
 
 # ------------------------------------------------------------ the layer
@@ -436,12 +453,11 @@ class MoE(nnx.Module):
     # Absent parts are None, data either way (nnx would take a None for static).
     for name in WEIGHT_NAMES:
       setattr(self, name, nnx.data(w.get(name)))
+    self.fp8_blocks = nnx.data(None)  # to_fp8_inference's held blocks
 
-  def _expert_weights(self) -> tuple[list, list]:
-    """(routed, shared) weights in the order _moe_shard takes them, each
-    checked against the layer's shapes (a checkpoint loaded into the layer
-    is checked here, before shard_map turns a wrong shape into its own
-    error)."""
+  def _weight_names(self) -> tuple[list, list]:
+    """(routed, shared): (name, shape) of each expert weight in the order
+    the per-rank body takes them."""
     e, h, f, fs = self.num_experts, self.hidden, self.ffn, self.shared_ffn
     if self.activation == "swiglu":
       routed = [("w13", (e, h, 2 * f)), ("w2", (e, f, h))]
@@ -451,12 +467,23 @@ class MoE(nnx.Module):
       shared = []
       if fs:
         shared = [("shared_w_in", (h, fs)), ("shared_w_out", (fs, h))]
-        if self.shared_w_gate is not None:
+        if self.shared_w_gate is not None or "shared_w_gate" in (self.fp8_blocks or {}):
           shared.append(("shared_w_gate", (h, fs)))
+    return routed, shared
+
+  def _expert_weights(self) -> tuple[list, list]:
+    """(routed, shared) weights in the order _moe_shard takes them, each
+    checked against the layer's shapes (a checkpoint loaded into the layer
+    is checked here, before shard_map turns a wrong shape into its own
+    error). A weight the layer holds as FP8 blocks (`to_fp8_inference`)
+    comes as its (wq, ws) pair."""
     got = []
-    for names in (routed, shared):
+    for names in self._weight_names():
       arrays = []
       for name, want in names:
+        if self.fp8_blocks is not None and name in self.fp8_blocks:
+          arrays.append(tuple(v[...] for v in self.fp8_blocks[name]))
+          continue
         a = getattr(self, name)[...]
         if tuple(a.shape) != want:
           what = {"w13": f"[E, H, 2F] = {list(want)} (gate then up: the last axis is 2F)",
@@ -470,10 +497,48 @@ class MoE(nnx.Module):
       got.append(arrays)
     return got[0], got[1]
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x: [..., H] tokens; the flattened token axis N is split over the EP
-    axis (and `data_axis`), so N must be a multiple of their sizes. Returns
-    x's shape in x's dtype."""
+  def _shard_map(self, body, in_specs, out_specs):
+    return _mesh.shard_map(body, self.mesh, axis_name=self.axis_name, in_specs=in_specs,
+                           out_specs=out_specs)
+
+  def fp8_weights(self) -> dict:
+    """The expert weights' FP8 blocks in both orientations (jax_ep.Fp8Weights
+    per weight, keyed by name; the shared expert's with one group axis),
+    cast from the master weights on each rank: make them once per optimizer
+    update and pass them as `layer(x, fp8_weights=...)`, so the steps
+    between updates skip the weights' cast. precision='fp8' only. The
+    master weights still get their gradients (the FP8 weight gradient does
+    not read the blocks)."""
+    if self.precision != "fp8":
+      raise ValueError("fp8_weights() needs precision='fp8'")
+    if self.fp8_blocks is not None:
+      raise ValueError("this layer holds FP8 inference blocks (to_fp8_inference): it has no "
+                       "master weights to cast")
+    (routed_names, shared_names), (routed, shared) = self._weight_names(), self._expert_weights()
+
+    def body(routed, shared):
+      return ([_fp8_weights(w) for w in routed], [_fp8_weights(w[None]) for w in shared])
+
+    split = P(self.axis_name)
+    f = self._shard_map(body, (split, P()), (split, P()))
+    r, sh = f(routed, shared)
+    return {n: q for (n, _), q in zip(routed_names + shared_names, r + sh)}
+
+  def to_fp8_inference(self) -> None:
+    """Replace the expert weights by their FP8 forward blocks (e4m3 per
+    128 x 128 block, f32 scales), held by the layer for prefill and decode:
+    no cast in the step and a quarter of f32 master weights' memory. The
+    layer is then forward-only in its expert weights (they are no longer
+    nnx.Params: nnx.grad and optimizers leave them out); the router stays a
+    Param. precision='fp8' only."""
+    cached = self.fp8_weights()
+    self.fp8_blocks = nnx.data({n: (Fp8Block(w.q), Fp8Block(w.s)) for n, w in cached.items()})
+    for name in cached:
+      setattr(self, name, nnx.data(None))
+
+  def _route(self, x: jax.Array):
+    """x [..., H] -> (x2 [N, H] in dtype, topk_idx, topk_weights, token spec),
+    with the input checks of both forward forms."""
     shape = x.shape
     hidden = self.router.shape[0]
     if x.ndim < 1 or shape[-1] != hidden:
@@ -491,27 +556,77 @@ class MoE(nnx.Module):
         x2.astype(jnp.float32) @ self.router[...], topk=self.topk, score_fn=self.score_fn,
         num_groups=self.num_groups, topk_groups=self.topk_groups,
         routed_scaling_factor=self.routed_scaling_factor)
-    cfg = _Cfg(self.num_experts, self.axis_name, self.expert_alignment, self.backend, self.dtype,
-               self.fp8_dispatch, self.overlap_shared, self.combine_layout, self.activation,
-               self.precision)
+    return x2.astype(self.dtype), topk_idx, topk_weights, P(axes if len(axes) > 1 else axes[0])
+
+  def _cfg(self) -> _Cfg:
+    return _Cfg(self.num_experts, self.axis_name, self.expert_alignment, self.backend,
+                self.dtype, self.fp8_dispatch, self.overlap_shared, self.combine_layout,
+                self.activation, self.precision)
+
+  def _weights_for_step(self, fp8_weights):
     routed, shared = self._expert_weights()
-    # FP8 casts the master weights to its blocks itself; bf16 casts them to
-    # the compute dtype (a no-op when they are stored in it).
-    cast = (lambda w: w) if self.precision == "fp8" else (lambda w: w.astype(self.dtype))
-    tokens = P(axes if len(axes) > 1 else axes[0])
-    args = [x2.astype(self.dtype), topk_idx, topk_weights, *map(cast, routed)]
-    specs = [tokens, tokens, tokens, P(self.axis_name), P(self.axis_name)]
-    args += map(cast, shared)
-    specs += [P()] * len(shared)
-    f = _mesh.shard_map(functools.partial(_moe_shard, cfg=cfg), self.mesh,
-                        axis_name=self.axis_name, in_specs=tuple(specs), out_specs=tokens)
-    return f(*args).astype(x.dtype).reshape(shape)
+    if self.precision == "fp8":
+      # FP8 casts the master weights to its blocks itself (or takes the
+      # cached ones); held blocks go in as they are.
+      names = [n for n, _ in sum(self._weight_names(), [])]
+      if fp8_weights is not None and self.fp8_blocks is not None:
+        raise ValueError("fp8_weights: this layer already holds FP8 blocks (to_fp8_inference)")
+      if fp8_weights is not None and set(fp8_weights) != set(names):
+        raise ValueError(f"fp8_weights must hold {sorted(names)} (layer.fp8_weights()), got "
+                         f"{sorted(fp8_weights)}")
+      cached = None if fp8_weights is None else [fp8_weights[n] for n in names]
+      return routed, shared, cached
+    if fp8_weights is not None:
+      raise ValueError("fp8_weights goes with precision='fp8'")
+    # bf16 casts the master weights to the compute dtype (a no-op when they
+    # are stored in it).
+    cast = lambda w: w.astype(self.dtype)  # noqa: E731
+    return list(map(cast, routed)), list(map(cast, shared)), None
+
+  def __call__(self, x: jax.Array, *, fp8_weights: Optional[dict] = None) -> jax.Array:
+    """x: [..., H] tokens; the flattened token axis N is split over the EP
+    axis (and `data_axis`), so N must be a multiple of their sizes. Returns
+    x's shape in x's dtype. fp8_weights: `fp8_weights()`'s cached blocks
+    (precision='fp8')."""
+    x2, topk_idx, topk_weights, tokens = self._route(x)
+    routed, shared, cached = self._weights_for_step(fp8_weights)
+    split = P(self.axis_name)
+    cached_specs = P() if cached is None else [split] * len(routed) + [P()] * len(shared)
+    f = self._shard_map(functools.partial(_moe_shard, cfg=self._cfg()),
+                        (tokens, tokens, tokens, split, P(), cached_specs), tokens)
+    return f(x2, topk_idx, topk_weights, routed, shared, cached).astype(x.dtype).reshape(x.shape)
+
+  def decode(self, x: jax.Array) -> jax.Array:
+    """The layer for decode steps (a few tokens per rank): low-latency
+    dispatch (FP8 rows with precision='fp8') -> masked grouped GEMMs on the
+    fixed [E_l, R * T, H] grid (FP8 with precision='fp8', from the held
+    blocks or cast in the step) -> low-latency combine, plus the shared
+    expert. Forward only; the same outputs as `__call__` up to the order of
+    the top-k sum (the low-latency combine's). x: [..., H] as `__call__`;
+    T = tokens per rank is the low-latency ops' max_tokens."""
+    if self.data_axis is not None:
+      raise ValueError("decode runs over the EP axis alone; this layer has a data_axis")
+    x2, topk_idx, topk_weights, tokens = self._route(x)
+    routed, shared, _ = self._weights_for_step(None)
+    f = self._shard_map(functools.partial(_decode_shard, cfg=self._cfg()),
+                        (tokens, tokens, tokens, P(self.axis_name), P()), tokens)
+    return f(x2, topk_idx, topk_weights, routed, shared).astype(x.dtype).reshape(x.shape)
 
 
-def _moe_shard(x, topk_idx, topk_weights, w_in, w_out, *shared, cfg: _Cfg):
-  """Per rank: x [T, H], topk_* [T, K], w_in [E_l, H, F] (swiglu: w13
-  [E_l, H, 2F]), w_out [E_l, F, H], shared: () or (w_in [H, Fs] (swiglu:
-  [H, 2Fs]), w_out [Fs, H][, w_gate [H, Fs]]). -> [T, H]."""
+class Fp8Block(nnx.Variable):
+  """FP8 weight blocks (e4m3 values or their f32 scales) an inference layer
+  holds: a Variable, not a Param, so gradients and optimizers skip it."""
+
+
+def _moe_shard(x, topk_idx, topk_weights, routed, shared, cached, *, cfg: _Cfg):
+  """Per rank: x [T, H], topk_* [T, K]; routed = (w_in [E_l, H, F] (swiglu:
+  w13 [E_l, H, 2F]), w_out [E_l, F, H]), shared = () or (w_in [H, Fs]
+  (swiglu: [H, 2Fs]), w_out [Fs, H][, w_gate [H, Fs]]); FP8 held weights as
+  (wq, ws) pairs; cached: None or the Fp8Weights of routed + shared. -> [T, H]."""
+  w_in, w_out = routed
+  c_routed, c_shared = (None, None), None
+  if cached is not None:
+    c_routed, c_shared = tuple(cached[:2]), tuple(cached[2:])
   by_rank = cfg.combine_layout == "rank"
   kw = dict(num_experts=cfg.num_experts, axis_name=cfg.axis_name,
             layout="rank" if by_rank else "expert", backend=cfg.backend)
@@ -533,43 +648,80 @@ def _moe_shard(x, topk_idx, topk_weights, w_in, w_out, *shared, cfg: _Cfg):
   else:
     out = dispatch(x, topk_idx, topk_weights, **kw)
   if by_rank:
-    g = _regroup.group_by_expert(out.recv_topk_idx, num_local_experts=w_in.shape[0],
+    g = _regroup.group_by_expert(out.recv_topk_idx, num_local_experts=_local_experts(w_in),
                                  expert_alignment=cfg.expert_alignment)
     if rows_fp8 is not None:
       rows_fp8 = tuple(_regroup._gather_rows(a, g.source) for a in rows_fp8)
-    y = _experts(_regroup.expert_rows(out.recv_x, g), w_in, w_out, g.counts, cfg, rows_fp8)
+    y = _experts(_regroup.expert_rows(out.recv_x, g), w_in, w_out, g.counts, cfg, rows_fp8,
+                 c_routed)
     part = _regroup.sum_expert_rows(y, g, out.recv_topk_weights, cfg.dtype)
     routed = combine(part, out.handle, None, axis_name=cfg.axis_name, backend=cfg.backend)
   else:
-    y = _experts(out.recv_x, w_in, w_out, out.counts, cfg, rows_fp8)
+    y = _experts(out.recv_x, w_in, w_out, out.counts, cfg, rows_fp8, c_routed)
     routed = combine(y, out.handle, out.recv_topk_weights, axis_name=cfg.axis_name,
                      backend=cfg.backend)
   if not shared:
     return routed
   if dense is None:
-    dense = _shared(x, shared, cfg)
+    dense = _shared(x, shared, cfg, c_shared)
   return (routed.astype(jnp.float32) + dense).astype(cfg.dtype)
 
 
-def _shared(x, shared, cfg: _Cfg):
+def _local_experts(w) -> int:
+  return (w[0] if isinstance(w, tuple) else w).shape[0]
+
+
+def _shared(x, shared, cfg: _Cfg, cached=None):
   s_in, s_out, *s_gate = shared
   return shared_expert(x, s_in, s_out, *s_gate, activation=cfg.activation, dtype=cfg.dtype,
-                       precision=cfg.precision)
+                       precision=cfg.precision, w_fp8=cached)
 
 
-def _experts(rows, w_in, w_out, counts, cfg: _Cfg, rows_fp8=None):
+def _activate(h13, cfg: _Cfg, gemm, w_in, counts, rows_fp8, w_fp8=None):
+  """The first GEMM and the activation, in the compute dtype."""
+  if cfg.activation == "swiglu":
+    # The first GEMM writes its [M, 2F] in the compute dtype and swiglu
+    # reads it once: no f32 pass over HBM between the two GEMMs.
+    return swiglu(gemm(h13, w_in, counts, out_dtype=cfg.dtype, x_fp8=rows_fp8, w_fp8=w_fp8),
+                  cfg.dtype)
+  h = gemm(h13, w_in, counts, out_dtype=jnp.float32, x_fp8=rows_fp8, w_fp8=w_fp8)
+  return jax.nn.gelu(h).astype(cfg.dtype)
+
+
+def _experts(rows, w_in, w_out, counts, cfg: _Cfg, rows_fp8=None, cached=(None, None)):
   # The expert GEMMs need no communicator: the kernel runs wherever CUDA is
   # the platform and the operands are bf16 (else lax.ragged_dot), unless
   # the layer is told to use the reference.
   gemm = functools.partial(expert_matmul, precision=cfg.precision, backend=cfg.backend)
-  if cfg.activation == "swiglu":
-    # The first GEMM writes its [M, 2F] in the compute dtype and swiglu
-    # reads it once: no f32 pass over HBM between the two GEMMs.
-    h = swiglu(gemm(rows, w_in, counts, out_dtype=cfg.dtype, x_fp8=rows_fp8), cfg.dtype)
-  else:
-    h = gemm(rows, w_in, counts, out_dtype=jnp.float32, x_fp8=rows_fp8)
-    h = jax.nn.gelu(h).astype(cfg.dtype)
-  return gemm(h, w_out, counts, out_dtype=cfg.dtype)
+  h = _activate(rows, cfg, gemm, w_in, counts, rows_fp8, cached[0])
+  return gemm(h, w_out, counts, out_dtype=cfg.dtype, w_fp8=cached[1])
+
+
+def _decode_shard(x, topk_idx, topk_weights, routed, shared, *, cfg: _Cfg):
+  """Per rank, the decode form of `_moe_shard`: the low-latency grid
+  [E_l, R * T, H] and masked GEMMs."""
+  w_in, w_out = routed
+  fp8 = cfg.precision == "fp8"
+  out = low_latency_dispatch(x, topk_idx, num_experts=cfg.num_experts, max_tokens=x.shape[0],
+                             axis_name=cfg.axis_name, fp8=fp8, backend=cfg.backend)
+  be = "reference" if cfg.backend == "reference" else None
+
+  def gemm(rows, w, counts, *, out_dtype, x_fp8=None, w_fp8=None):
+    if not fp8:
+      return masked_grouped_matmul(rows, w, counts, out_dtype=out_dtype, backend=be)
+    if not isinstance(w, tuple):
+      w = quantize_weights_fp8(w)
+    rows = x_fp8 if x_fp8 is not None else _fp8.quantize(rows)
+    return masked_grouped_matmul_fp8(rows, w, counts, backend=be).astype(out_dtype)
+
+  rows = None if fp8 else out.recv_x
+  h = _activate(rows, cfg, gemm, w_in, out.recv_count, out.recv_x if fp8 else None)
+  y = gemm(h, w_out, out.recv_count, out_dtype=cfg.dtype)
+  routed = low_latency_combine(y, topk_idx, topk_weights, out.handle, axis_name=cfg.axis_name,
+                               backend=cfg.backend)
+  if not shared:
+    return routed
+  return (routed.astype(jnp.float32) + _shared(x, shared, cfg)).astype(cfg.dtype)
 
 
 # An FP8 dispatch alone passes no gradient to x (jax_ep.dispatch stops it:

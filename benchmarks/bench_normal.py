@@ -679,7 +679,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
   fp8_row = h + (h // 128) * 4
   comm = None
   if any(i.startswith("jax_ep") for i in impls):
-    from jax_ep._ffi_dispatch import window_bytes_needed
+    from jax_ep._window import normal_bytes as window_bytes_needed
     nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
                                               hidden=h, topk=shape.topk, num_experts=shape.experts))
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)

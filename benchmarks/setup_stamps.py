@@ -56,7 +56,7 @@ def child(calls: int) -> None:
   from jax.sharding import Mesh
   import jax_ep
   import bench_normal as bn
-  from jax_ep._ffi_dispatch import window_bytes_needed
+  from jax_ep._window import normal_bytes as window_bytes_needed
   shape = bn.Shape()
   mesh = Mesh(np.array(jax.devices()[:shape.ranks]), ("ep",))
   x, idx, w = bn._routing(jax.random.PRNGKey(0), shape)

@@ -3,7 +3,7 @@
 benchmarks/RESULTS.md; the setup kernel: docs/design.md §1). Runs a chain of dispatches per layout at the Normal shape (BF16,
 24 SMs) in a child process with JAX_EP_SETUP_STAMPS=1, whose setup kernels
 note the global timer after each phase of the control block and at the
-start and end of every prep block (ffi/kernels/dispatch.cu, `Stamp`); the
+start and end of every prep block (ffi/kernels/dispatch_setup.cu, `Stamp`); the
 median over the chain's calls, µs from the control block's start, per phase.
 
   JAX_EP_BENCH_RANKS=1 python benchmarks/setup_stamps.py [--out DIR] [--calls N]

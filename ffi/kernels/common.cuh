@@ -11,6 +11,12 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 8;
 
+// Number of LSA barriers the device communicator is created with (one per
+// CTA that synchronises with its peers' CTAs through it). Kernels launching
+// more CTAs than this must not use ncclLsaBarrierSession with blockIdx.x as
+// the index.
+constexpr int kLsaBarrierCount = 64;
+
 // Bytes at the start of every rank's window that belong to the runtime:
 // barrier flags (one 64-bit slot per source rank) and scratch counters.
 // Ops lay out their own data from kWindowHeaderBytes on.

@@ -11,7 +11,7 @@
 // sender's rows have moved by the time its receiver sees the digest.
 // On a difference the op reports Cause::kConfigMismatch (detail: the peer)
 // and leaves both records next to the status word (kStatusReportOffset),
-// where the host reads them to name the values (comm.cc ConfigMismatchDetail).
+// where the host reads them to name the values (runtime/status.cc ConfigMismatchDetail).
 #pragma once
 
 #include <cstdint>
@@ -23,7 +23,7 @@ namespace jax_ep {
 
 // One rank's call: `tag` = which call of the op (the epoch of its first
 // barrier, or a low-latency sequence number; low 32 bits), `op`, then the
-// fields the peers must share (unused ones 0; comm.cc names them per op).
+// fields the peers must share (unused ones 0; runtime/status.cc names them per op).
 struct OpConfig {
   uint32_t tag = 0, op = 0;
   uint32_t v[kOpConfigFields] = {};

@@ -25,24 +25,10 @@
 
 namespace jax_ep {
 
-// Splits the data kernel's CTAs (ChooseNumBlocks) into senders and
-// receivers (dispatch) / reducers (combine): `recv_requested` of them
-// (the op's recv_sms argument) if > 0, else JAX_EP_RECV_SMS (debugging, read
-// once) if set, else `recv_share` of them. `beside_compute`: the op runs on
-// the side stream next to compute it is meant to overlap (a *_start).
-void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
-                     int num_ranks, double recv_share, bool beside_compute, int* send_blocks,
-                     int* recv_blocks);
-
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
 
 int EpDtypeBytes(EpDtype d);
-// Whether the normal dispatch / combine may move rows by bulk (TMA) copies
-// (kernels/bulk_copy.cuh); JAX_EP_BULK=0, read once per process, keeps the
-// register copies (debugging and comparison).
-bool BulkCopiesEnabled();
-
 struct DispatchArgs {
   // Inputs (this rank's tokens).
   const void* x = nullptr;             // [T, H] of x_dtype
@@ -116,9 +102,5 @@ size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, b
 // What one dispatch writes, from the window base (ValidateDispatch's need).
 size_t DispatchWindowNeed(const DispatchArgs& a, int R);
 size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout);
-
-// CTAs for the data-moving kernels, from a bandwidth model (see dispatch.cu);
-// `requested` > 0 or env JAX_EP_NUM_SMS override it.
-int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute);
 
 }  // namespace jax_ep

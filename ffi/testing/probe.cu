@@ -8,7 +8,6 @@
 
 #include <algorithm>
 
-#include "comm.h"
 
 namespace jax_ep {
 namespace {

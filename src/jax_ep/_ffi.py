@@ -29,7 +29,7 @@ def _call(target: str, results, *, vmap_method: "str | None" = "sequential",
 
 
 def side_done_cuda(results: tuple, keep: tuple, *, comm_id: int) -> tuple:
-  """`*_done` of a start/done pair (ffi/side_lane.h): XLA's stream waits for
+  """`*_done` of a start/done pair (ffi/runtime/side_lane.h): XLA's stream waits for
   the start's kernels on the communicator's side stream. `results` (the
   start's outputs) come back aliased, so nothing reads them before the wait;
   `keep` (the start's inputs, the compute to overlap) are operands only, so

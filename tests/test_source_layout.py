@@ -1,0 +1,41 @@
+"""The source tree keeps its cut by concern (docs/design.md §1, §7): no file
+of the package or of the native code grows past 800 lines, and device code
+depends on nothing host-side (no handler, no communicator registry). Source
+checks, so they run without a GPU."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FFI = ROOT / "ffi"
+MAX_LINES = 800
+
+
+def _sources() -> list[pathlib.Path]:
+  files = [p for p in FFI.rglob("*") if p.suffix in {".cc", ".cu", ".cuh", ".h"}]
+  files += list((ROOT / "src" / "jax_ep").rglob("*.py"))
+  return sorted(files)
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_source_file_is_over_800_lines(path):
+  n = len(path.read_text().splitlines())
+  assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines: split it by concern"
+
+
+def test_kernels_include_no_host_side_header():
+  """ffi/kernels/ sits below the handlers and the runtime: what a kernel file
+  needs of them belongs in a kernel-side header."""
+  bad = []
+  for path in sorted((FFI / "kernels").iterdir()):
+    for m in re.finditer(r'#include\s+"([^"]+)"', path.read_text()):
+      if m.group(1).startswith(("handlers/", "runtime/", "testing/")):
+        bad.append(f"{path.name}: {m.group(1)}")
+  for path in sorted((FFI / "testing").glob("*.cu")):
+    for m in re.finditer(r'#include\s+"([^"]+)"', path.read_text()):
+      if m.group(1).startswith(("handlers/", "runtime/")):
+        bad.append(f"testing/{path.name}: {m.group(1)}")
+  assert not bad, bad

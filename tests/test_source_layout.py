@@ -39,3 +39,12 @@ def test_kernels_include_no_host_side_header():
       if m.group(1).startswith(("handlers/", "runtime/")):
         bad.append(f"testing/{path.name}: {m.group(1)}")
   assert not bad, bad
+
+
+def test_the_native_code_reads_no_environment_variable():
+  """Tuning is configuration (FFI attributes, Communicator.create arguments),
+  debugging switches are build options (docs/design.md §7)."""
+  hits = [f"{p.relative_to(ROOT)}:{i + 1}" for p in _sources() if p.suffix != ".py"
+          for i, line in enumerate(p.read_text().splitlines())
+          if re.search(r"\b(std::)?(getenv|secure_getenv)\s*\(", line)]
+  assert not hits, hits

@@ -267,7 +267,7 @@ void RegisterCudaBindings(nb::module_& m) {
       "The per-peer transport choice made at create, as a pure function: "
       "(['self'|'lsa'|'gin' per rank], gin_mask, error message or ''). gin is one of "
       "not_built, untested, no_device, rail_only, available; emulate: "
-      "JAX_EP_TRANSPORT=gin_emulated (GIN carried over NVLink; implies force_gin).");
+      "transport gin_emulated (GIN carried over NVLink; implies force_gin).");
 
   m.def(
       "status_message",

@@ -74,7 +74,7 @@ __device__ __forceinline__ uint32_t CombineOkValue(const OpConfig& cfg) {
 }
 
 // Expert layout: the handle's rows are checked and counted by scanner
-// blocks, CombineScan (1 + kCombineScanBlocks blocks in one launch with the
+// blocks, CombineScan (up to kCombineScanBlocks blocks in one launch with the
 // control block). A row of this rank's own token is not copied at all: its
 // scanner leaves a note in the row's [t][k] slot trailer (LocalNote), and
 // the reducers read the row straight from y.
@@ -626,7 +626,7 @@ CombineDataChoice CombineDataFor(bool has_w, uint32_t slot_bytes, uint32_t piece
 // holds a piece of each of a token's (at most R, resp. K) rows: the whole
 // rows where they fit (one rank), since the next token's first piece
 // loads while this token's last one is summed.
-// JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
+// A build with JAX_EP_BULK_COPIES=OFF keeps the register copies (comparison).
 CombineDataChoice ChooseCombineData(const CombineArgs& a, const CombineWindow& w, int R) {
   const int max_rows = a.layout == EpLayout::kExpert ? a.topk : R;
   const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
@@ -709,7 +709,11 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   if (k.smem > 0) {
     if (cudaError_t err = AllowBulkSmem(k.fn, k.smem); err != cudaSuccess) return err;
   }
-  CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
+  // Expert layout: the scanners split the handle's rows among themselves,
+  // as many as the op's num_sms leaves beside the control block.
+  const int scanners = !c.expert ? 0 : a.num_sms > 0 ? std::max(1, std::min(kCombineScanBlocks, a.num_sms - 1))
+                                                     : kCombineScanBlocks;
+  CombineStartKernel<<<1 + scanners, kStartThreads, 0, stream>>>(c, w, p, io);
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, k.threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);

@@ -572,7 +572,7 @@ namespace {
 // The data kernel LaunchDispatch runs for `a` (every variant has one
 // signature), its block size and dynamic shared memory. Rows that fit a
 // slot move by bulk copies (bulk_copy.cuh); the cast needs them in
-// registers. JAX_EP_BULK=0 keeps the register copy.
+// registers. A build with JAX_EP_BULK_COPIES=OFF keeps the register copy.
 struct DispatchDataChoice {
   void (*fn)(DispatchCfg, DispatchWindow, EpPeers, PushIO, int, uint32_t);
   int threads;
@@ -634,7 +634,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
     if (cudaError_t err = AllowBulkSmem(k.fn, k.smem); err != cudaSuccess) return err;
   }
 
-  LaunchDispatchSetup(c, w, p, io, a.start, stream);
+  LaunchDispatchSetup(c, w, p, io, a.num_sms, a.start, stream);
 
   // One grid: S sending CTAs, Q receiving CTAs (none with one rank).
   int send_blocks = 0, recv_blocks = 0;

@@ -24,7 +24,7 @@ struct DispatchCfg {
   int ue8m0;
   int gin_rows;     // > 0: rows to GIN peers are staged and put in chunks of this many (gin_stage.cuh)
   int prep_experts; // expert layout: experts per prep block, 1..kPrepExperts (PrepExpertsPerBlock)
-  unsigned long long* stamps;  // debug (JAX_EP_SETUP_STAMPS): the setup's phase times; null: none
+  unsigned long long* stamps;  // setup_stamps.h: the setup's phase times; null: none
 };
 
 struct PushIO {
@@ -49,12 +49,13 @@ __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow
 }
 
 // Enqueues the setup kernel (one control block, R rank prep blocks, the
-// expert prep blocks) and, where the setup stamps are on, their report.
+// expert prep blocks) and, where the setup stamps are built, their report.
 // Sets c.prep_experts and c.stamps, which the data kernel is passed too.
-// `beside_compute`: a dispatch_start, whose prep spreads over the data
-// kernel's SM budget instead of every SM. Launch errors are left for the
-// caller's cudaGetLastError.
+// `num_sms` > 0: at most that many CTAs (at least 2: the control block and
+// one prep block); 0: as many as the prep spreads over, which for
+// `beside_compute` (a dispatch_start) is about the data kernel's SM budget,
+// else every SM. Launch errors are left for the caller's cudaGetLastError.
 void LaunchDispatchSetup(DispatchCfg& c, const DispatchWindow& w, const EpPeers& p, const PushIO& io,
-                         bool beside_compute, cudaStream_t stream);
+                         int num_sms, bool beside_compute, cudaStream_t stream);
 
 }  // namespace jax_ep

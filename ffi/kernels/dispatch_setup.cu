@@ -327,9 +327,9 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
 // the capacity check. Counts slot i of source s: [0] token rows, [1] (t, k)
 // entries, [2 + e] entries for local expert e (expert layout only). The
 // prep blocks of the same grid run meanwhile; the counts wait for them
-// (`prep_blocks` of them count kDispatchPrepCounter up; this block resets it).
+// (each of the `prep_items` counts kDispatchPrepCounter up; this block resets it).
 __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const DispatchWindow& w,
-                                                const EpPeers& p, const PushIO& io, int prep_blocks) {
+                                                const EpPeers& p, const PushIO& io, int prep_items) {
   using Scan = cub::BlockScan<int, kControlThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int s_fail;
@@ -370,7 +370,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     Stamp(c, kStampConfig);
     // The prep blocks' scratch words (read below, volatile: other SMs wrote
     // them during this kernel).
-    if (!WaitBlocksDone(p, p.epoch + kDispatchPrepCounter, prep_blocks, Op::kDispatch)) fail = true;
+    if (!WaitBlocksDone(p, p.epoch + kDispatchPrepCounter, prep_items, Op::kDispatch)) fail = true;
     Stamp(c, kStampPrepWait);
     if (static_cast<volatile int*>(scratch)[DispatchScratch::kBadIds] != 0) fail = true;
     s_fail = fail;
@@ -480,13 +480,20 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
 }
 
 // One launch for both: block 0 is the control block, blocks 1.. the prep
-// blocks (ranks, then experts), so the start barrier (waiting for the
-// peers) overlaps the prep instead of following it. Only block 0 waits,
-// and only for blocks that never wait, so residency does not matter.
+// blocks, so the start barrier (waiting for the peers) overlaps the prep
+// instead of following it. `prep_items` pieces of prep (the R ranks, then
+// the groups of c.prep_experts experts), one per prep block unless the op's
+// num_sms caps the grid, when each prep block takes every (gridDim.x - 1)-th.
+// Only block 0 waits, and only for blocks that never wait, so residency
+// does not matter.
 __global__ void __launch_bounds__(kControlThreads, 1) DispatchSetupKernel(DispatchCfg c, DispatchWindow w,
-                                                                         EpPeers p, PushIO io) {
-  if (blockIdx.x == 0) DispatchControl(c, w, p, io, static_cast<int>(gridDim.x) - 1);
-  else DispatchPrep(c, w, p, io.topk, io.pos_in_rank, static_cast<int>(blockIdx.x) - 1);
+                                                                         EpPeers p, PushIO io, int prep_items) {
+  if (blockIdx.x == 0) {
+    DispatchControl(c, w, p, io, prep_items);
+  } else {
+    for (int b = static_cast<int>(blockIdx.x) - 1; b < prep_items; b += static_cast<int>(gridDim.x) - 1)
+      DispatchPrep(c, w, p, io.topk, io.pos_in_rank, b);
+  }
 }
 
 }  // namespace
@@ -501,7 +508,7 @@ static int PrepExpertsPerBlock(int E, int R, int sms) {
 cudaError_t LoadDispatchSetupKernels() { return LoadEach(DispatchSetupKernel); }
 
 void LaunchDispatchSetup(DispatchCfg& c, const DispatchWindow& w, const EpPeers& p, const PushIO& io,
-                         bool beside_compute, cudaStream_t stream) {
+                         int num_sms, bool beside_compute, cudaStream_t stream) {
   const int R = p.nranks;
   const int nslots = c.expert ? w.counts_stride : 2;
   // The prep blocks read topk twice (count, then place), through L1; after a
@@ -512,13 +519,18 @@ void LaunchDispatchSetup(DispatchCfg& c, const DispatchWindow& w, const EpPeers&
   if (cudaFuncSetAttribute(DispatchSetupKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                            cudaSharedmemCarveoutMaxL1) != cudaSuccess)
     (void)cudaGetLastError();  // a hint: the launch works without it
-  // Beside compute (a *_start), the prep takes about as many SMs as the data
-  // kernel's budget instead of all of them.
-  c.prep_experts = PrepExpertsPerBlock(c.E, R, beside_compute ? kSmBudget + 1 + R : LaunchDeviceSms());
+  // The op's num_sms caps the setup too. Without it: beside compute (a
+  // *_start), the prep takes about as many SMs as the data kernel's budget,
+  // else all of them.
+  const int sms = num_sms > 0 ? num_sms : beside_compute ? kSmBudget + 1 + R : LaunchDeviceSms();
+  c.prep_experts = PrepExpertsPerBlock(c.E, R, sms);
   const int expert_blocks = c.expert ? (c.E + c.prep_experts - 1) / c.prep_experts : 0;
+  const int prep_items = R + expert_blocks;
+  // The control block waits for a prep block: two blocks at the least.
+  const int blocks = num_sms > 0 ? std::max(2, std::min(num_sms, 1 + prep_items)) : 1 + prep_items;
   c.stamps = SetupStampsBuffer(stream);
-  DispatchSetupKernel<<<1 + R + expert_blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io);
-  if (c.stamps != nullptr) ReportSetupStamps(stream, c.stamps, R + expert_blocks, R, c.expert != 0);
+  DispatchSetupKernel<<<blocks, kControlThreads, sizeof(int) * R * nslots, stream>>>(c, w, p, io, prep_items);
+  if (c.stamps != nullptr) ReportSetupStamps(stream, c.stamps, prep_items, R, c.expert != 0);
 }
 
 }  // namespace jax_ep

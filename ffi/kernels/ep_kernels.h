@@ -45,8 +45,8 @@ struct DispatchArgs {
   int capacity = 0;                    // C >= 1
   int expert_alignment = 1;
   EpLayout layout = EpLayout::kRank;
-  int num_sms = 0;                     // CTAs of the data kernels; 0 = model / env
-  int recv_sms = 0;                    // of them receiving; 0 = model / env
+  int num_sms = 0;                     // CTAs of each kernel, at most; 0 = the bandwidth model
+  int recv_sms = 0;                    // of the data kernel's, receiving; 0 = the model's share
   bool start = false;                  // dispatch_start: on the side stream, beside compute
   // Outputs.
   void* recv_x = nullptr;              // [C, H] (e4m3 when FP8)
@@ -77,8 +77,8 @@ struct CombineArgs {
   int num_experts = 0;                    // E
   int capacity = 0;                       // C
   EpLayout layout = EpLayout::kRank;
-  int num_sms = 0;
-  int recv_sms = 0;                       // reducers among num_sms; 0 = model / env
+  int num_sms = 0;                        // CTAs of each kernel, at most; 0 = the bandwidth model
+  int recv_sms = 0;                       // reducers among num_sms; 0 = the model's share
   bool start = false;                     // combine_start: on the side stream, beside compute
   void* out = nullptr;                    // [T, H] of y_dtype
 };

@@ -4,20 +4,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "bulk_copy.cuh"
 #include "ep_copy.cuh"
 
-namespace jax_ep {
+// Build option JAX_EP_BULK_COPIES (CMakeLists.txt): OFF keeps the normal
+// kernels on register copies everywhere, to compare the two.
+#ifndef JAX_EP_BULK_COPIES
+#define JAX_EP_BULK_COPIES 1
+#endif
 
-// Launch-tuning environment variables, read once per process (the
-// launchers run on every call).
-static int EnvInt(const char* name) {
-  const char* env = std::getenv(name);
-  return env ? std::atoi(env) : 0;
-}
+namespace jax_ep {
 
 // fn(device) for the current device, asked once per device (0 in `cache`:
 // not asked yet; fn returns > 0); `fallback` where the device is unknown.
@@ -35,11 +32,7 @@ static int OncePerDevice(std::atomic<int> (&cache)[64], int fallback, F fn) {
 }
 
 bool BulkCopiesEnabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("JAX_EP_BULK");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  if (!on) return false;
+  if (!JAX_EP_BULK_COPIES) return false;
   // The launch's device: sm_90 or newer with the shared memory the slots
   // and the kernels' static shared memory take (1: no, 2: yes).
   static std::atomic<int> known[64] = {};
@@ -59,8 +52,7 @@ int LaunchDeviceSms() {
 }
 
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute) {
-  static const int env_sms = EnvInt("JAX_EP_NUM_SMS");
-  int cap = requested > 0 ? requested : env_sms;
+  int cap = requested;
   if (cap <= 0) {
     // Little's law: a link of B bytes/s with latency L needs B*L bytes in
     // flight. NVLink on H200 ~450 GB/s per direction, ~2 µs from load issue
@@ -93,14 +85,11 @@ void SplitDataBlocks(int requested, int recv_requested, int work_items, int warp
                      int num_ranks, double recv_share, bool beside_compute, int* send_blocks,
                      int* recv_blocks) {
   const int total = ChooseNumBlocks(requested, work_items, warps_per_block, num_ranks, beside_compute);
-  static const int env_recv = EnvInt("JAX_EP_RECV_SMS");
   int q = 0;
   if (num_ranks > 1) {
     // At least one of each, also when the work needs a single CTA: remote
     // rows are only ever consumed by receivers.
-    q = recv_requested > 0 ? recv_requested
-        : env_recv > 0     ? env_recv
-                           : static_cast<int>(std::lround(total * recv_share));
+    q = recv_requested > 0 ? recv_requested : static_cast<int>(std::lround(total * recv_share));
     q = std::min(std::max(q, 1), std::max(total - 1, 1));
   }
   *recv_blocks = q;

@@ -33,18 +33,17 @@ constexpr int kSmBudget = 24;
 int LaunchDeviceSms();
 
 // Whether the normal dispatch / combine may move rows by bulk (TMA) copies
-// (kernels/bulk_copy.cuh); JAX_EP_BULK=0, read once per process, keeps the
-// register copies (debugging and comparison).
+// (kernels/bulk_copy.cuh) on the launch's device; a build with
+// JAX_EP_BULK_COPIES=OFF keeps the register copies (for comparison).
 bool BulkCopiesEnabled();
 
-// CTAs for the data-moving kernels, from a bandwidth model (launch_policy.cu);
-// `requested` > 0 or env JAX_EP_NUM_SMS override it.
+// CTAs for the data-moving kernels: at most `requested` (the op's num_sms)
+// when > 0, else the bandwidth model's count (launch_policy.cu).
 int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute);
 
 // Splits the data kernel's CTAs (ChooseNumBlocks) into senders and
 // receivers (dispatch) / reducers (combine): `recv_requested` of them
-// (the op's recv_sms argument) if > 0, else JAX_EP_RECV_SMS (debugging, read
-// once) if set, else `recv_share` of them. `beside_compute`: the op runs on
+// (the op's recv_sms argument) if > 0, else `recv_share` of them. `beside_compute`: the op runs on
 // the side stream next to compute it is meant to overlap (a *_start).
 void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
                      int num_ranks, double recv_share, bool beside_compute, int* send_blocks,

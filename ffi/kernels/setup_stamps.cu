@@ -3,25 +3,25 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
 
+// Build option JAX_EP_SETUP_STAMPS (CMakeLists.txt), off by default.
+#ifndef JAX_EP_SETUP_STAMPS
+#define JAX_EP_SETUP_STAMPS 0
+#endif
+
 namespace jax_ep {
 
-// JAX_EP_SETUP_STAMPS=1 (docs/design.md §7): the setup kernel's phase
+// A build with JAX_EP_SETUP_STAMPS=ON (docs/design.md §7): the setup kernel's phase
 // times, printed to stderr by a host function queued behind it on the
 // stream (so no call waits for the host). Mapped pinned memory, one buffer
 // per device: the kernel writes it and the host function reads it. Not in
 // a stream capture (a replayed host node would reuse its report, and the
 // first allocation may not happen there).
 unsigned long long* SetupStampsBuffer(cudaStream_t stream) {
-  static const bool on = [] {
-    const char* env = std::getenv("JAX_EP_SETUP_STAMPS");
-    return env != nullptr && std::atoi(env) > 0;
-  }();
-  if (!on) return nullptr;
+  if (!JAX_EP_SETUP_STAMPS) return nullptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
     (void)cudaGetLastError();

@@ -6,7 +6,6 @@
 
 #include <cctype>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -144,22 +143,18 @@ void SetupOneDevice(DeviceResources& d) {
 static_assert(kEngramVersionCounter - kGinSnapshotCounter == kGinSignalCount,
               "one snapshot counter per GIN signal");
 
-// The transport choice: Communicator.create(transport=...), or where that
-// is not given (""), JAX_EP_TRANSPORT (debugging), read at every create so a
-// test can flip it in-process.
-struct TransportEnv {
+// The transport choice: Communicator.create(transport=...); "" is "auto".
+struct TransportChoice {
   bool force_gin = false;
   bool emulate_gin = false;
 };
-TransportEnv TransportFrom(const std::string& choice) {
-  const char* env = std::getenv("JAX_EP_TRANSPORT");
-  const std::string raw = !choice.empty() ? choice : env == nullptr ? "" : env;
-  std::string v = raw;
+TransportChoice TransportFrom(const std::string& choice) {
+  std::string v = choice;
   for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v.empty() || v == "auto") return {};
   if (v == "gin") return {true, false};
   if (v == "gin_emulated") return {true, true};
-  Fail(std::string(choice.empty() ? "JAX_EP_TRANSPORT=" : "transport=") + raw +
+  Fail("transport=" + choice +
        " is not understood: use 'auto' (the default: NVLink inside NCCL's LSA team, GIN "
        "beyond it), 'gin' (every remote peer over GIN, to test that path) or 'gin_emulated' "
        "(every remote peer through the GIN code path, carried over NVLink, to test it "
@@ -454,7 +449,7 @@ void CommResources::Close() {
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s,
                    bool checked, const std::string& transport_choice) {
   CheckVersion();
-  const TransportEnv transport = TransportFrom(transport_choice);
+  const TransportChoice transport = TransportFrom(transport_choice);
   if (groups.empty()) Fail("comm_create needs at least one EP group");
   if (!(timeout_s > 0)) Fail("timeout_s must be > 0");
   if (num_bytes <= kWindowHeaderBytes) {
@@ -538,7 +533,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
   }
   // The first device that needs GIN speaks for the message when NCCL cannot
   // set it up (every rank of a group needs it or none does: LSA teams are
-  // symmetric, and JAX_EP_TRANSPORT is the same everywhere).
+  // symmetric, and every rank passes the same transport).
   int gin_dev_index = -1;
   for (size_t i = 0; i < res->devices.size() && gin_dev_index < 0; ++i)
     if (res->devices[i].gin_mask != 0 && !res->devices[i].gin_emulated) gin_dev_index = static_cast<int>(i);

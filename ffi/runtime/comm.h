@@ -6,12 +6,11 @@
 // Transport: each peer is reached by LSA (NVLink loads/stores) when it is in
 // NCCL's LSA team of this rank, otherwise by GIN (GPU-initiated RDMA through a
 // network card, kernels/gin.cuh) when this build and the communicator can do
-// GIN; when neither, CreateComm fails naming the peer and why. The variable
-// JAX_EP_TRANSPORT=gin (read at every create; the default is "auto") puts
-// every remote peer on GIN, to exercise the GIN branch on one host; it must
-// be set alike in every process of a group, since the device communicator is
-// created collectively with or without GIN. JAX_EP_TRANSPORT=gin_emulated
-// also puts every remote peer on GIN, but the kernels' GIN helpers carry
+// GIN; when neither, CreateComm fails naming the peer and why. The argument
+// transport="gin" (the default is "auto") puts every remote peer on GIN, to
+// exercise the GIN branch on one host; every process of a group must pass
+// the same, since the device communicator is created collectively with or
+// without GIN. transport="gin_emulated" also puts every remote peer on GIN, but the kernels' GIN helpers carry
 // the puts and signals over NVLink (gin.cuh), so the kernels' GIN branches
 // run, and are tested, on machines without a NIC; every peer must then be
 // in the LSA team.
@@ -68,7 +67,7 @@ struct DeviceResources {
   bool devcomm_created = false;
   char* peer_base[kMaxRanks] = {};  // LSA-mapped window of every LSA-reached rank
   uint32_t gin_mask = 0;            // bit j: rank j is reached by GIN
-  bool gin_emulated = false;        // JAX_EP_TRANSPORT=gin_emulated (gin.cuh)
+  bool gin_emulated = false;        // transport "gin_emulated" (gin.cuh)
   char* gin_emu_base[kMaxRanks] = {};  // emulated: every GIN peer's LSA-mapped window
   int lsa_team_size = 0;            // NCCL's LSA team of this rank, self included
   void* gin_dev = nullptr;          // cudaMalloc'ed GinComm when gin_mask != 0
@@ -154,8 +153,7 @@ struct GroupSpec {
 };
 
 // Throws std::runtime_error with a message naming the failing call/peer.
-// `transport`: "auto", "gin" or "gin_emulated" (docs/design.md §3); ""
-// takes JAX_EP_TRANSPORT (debugging), else "auto".
+// `transport`: "auto" (also ""), "gin" or "gin_emulated" (docs/design.md §3).
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes,
                    double timeout_s, bool checked = false, const std::string& transport = "");
 // Closes and unregisters; unknown ids are ignored (close() is idempotent).

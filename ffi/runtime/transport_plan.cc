@@ -53,16 +53,14 @@ std::string NoTransportMessage(const TransportInputs& in, int peer, const std::s
                     std::to_string(in.device_ordinal) + ") to EP rank " + std::to_string(peer) +
                     ": ";
   if (in.emulate_gin) {
-    msg += "transport 'gin_emulated' (Communicator.create(transport=...) or "
-           "JAX_EP_TRANSPORT=gin_emulated) carries GIN over NVLink, and this peer is outside "
+    msg += "transport 'gin_emulated' (Communicator.create(transport=...)) carries GIN over NVLink, and this peer is outside "
            "NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) + " (" +
            std::to_string(lsa_size) + " of " + std::to_string(n) + " ranks are in it). " +
-           gin_why + ". Use transport='auto' (and unset JAX_EP_TRANSPORT).";
+           gin_why + ". Use transport='auto'.";
     return msg;
   }
   if (in.force_gin && in_lsa) {
-    msg += "transport 'gin' (Communicator.create(transport=...) or JAX_EP_TRANSPORT=gin) puts "
-           "every remote peer on GIN, although this one is in NCCL's "
+    msg += "transport 'gin' (Communicator.create(transport=...)) puts every remote peer on GIN, although this one is in NCCL's "
            "LSA (NVLink load/store) team";
   } else {
     msg += "it is outside NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) +
@@ -72,7 +70,7 @@ std::string NoTransportMessage(const TransportInputs& in, int peer, const std::s
   msg += ", so it must be reached by GIN (GPU-initiated RDMA through a network card), but " +
          gin_why + ". ";
   if (in.force_gin) {
-    msg += "Use transport='auto' (and unset JAX_EP_TRANSPORT) to reach LSA peers over NVLink.";
+    msg += "Use transport='auto' to reach LSA peers over NVLink.";
   } else {
     msg += "Put the EP axis on GPUs of one NVLink domain, or run where every host has a "
            "GIN-capable NIC, with jax_ep built against the NCCL (>= 2.28.7) that JAX loads.";

@@ -28,8 +28,8 @@ struct TransportInputs {
   int rank = 0;
   int device_ordinal = -1;
   std::vector<bool> lsa_member;  // by EP rank: in NCCL's LSA team of `rank`
-  bool force_gin = false;        // JAX_EP_TRANSPORT=gin or gin_emulated
-  bool emulate_gin = false;      // JAX_EP_TRANSPORT=gin_emulated (with force_gin)
+  bool force_gin = false;        // transport "gin" or "gin_emulated"
+  bool emulate_gin = false;      // transport "gin_emulated" (with force_gin)
   GinSupport gin = GinSupport::kNotBuilt;
   int nccl_version = 0;          // NCCL_VERSION_CODE, for messages
 };

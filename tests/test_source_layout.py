@@ -48,3 +48,25 @@ def test_the_native_code_reads_no_environment_variable():
           for i, line in enumerate(p.read_text().splitlines())
           if re.search(r"\b(std::)?(getenv|secure_getenv)\s*\(", line)]
   assert not hits, hits
+
+
+# The peer interface (ffi/kernels/peer.cuh lists its verbs) and the files it
+# is built from; only they touch EpPeers' window table and GIN mask.
+PEER_INTERFACE = {"common.cuh", "peer.cuh", "transport.cuh", "gin.cuh", "gin_stage.cuh"}
+
+
+def test_kernels_reach_peers_only_through_the_peer_interface():
+  """No `p.base[j]` window arithmetic and no gin_mask branch in an op's own
+  device code (docs/design.md §7): a new transport then changes the
+  interface, not every kernel."""
+  files = [p for p in (FFI / "kernels").iterdir() if p.suffix in {".cu", ".cuh", ".h"}]
+  files += list((FFI / "testing").glob("*.cu")) + list((FFI / "testing").glob("*.cuh"))
+  bad = []
+  for path in sorted(files):
+    if path.parent.name == "kernels" and path.name in PEER_INTERFACE:
+      continue
+    for i, line in enumerate(path.read_text().splitlines()):
+      code = line.split("//")[0]
+      if re.search(r"\.base\s*\[|\bgin_mask\b", code):
+        bad.append(f"{path.relative_to(ROOT)}:{i + 1}: {line.strip()}")
+  assert not bad, "\n".join(bad)

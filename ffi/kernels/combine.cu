@@ -27,6 +27,7 @@
 #include "ep_kernels.h"
 #include "kernel_load.h"
 #include "launch_policy.h"
+#include "peer.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -99,7 +100,7 @@ __device__ __forceinline__ void CombineScan(const CombineCfg& c, const CombineWi
   if (threadIdx.x == 0) s_bad = 0;
   __syncthreads();
   const uint32_t tag = static_cast<uint32_t>(*p.epoch + 1);  // the epoch this op's barrier uses
-  char* const my = p.base[r];
+  char* const my = PeerWindow(p, r);
   const int per = (c.C + blocks - 1) / blocks;
   const int r0 = min(c.C, b * per), r1 = min(c.C, r0 + per);
   bool bad = false;
@@ -176,7 +177,7 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
     for (int j = 0; j < R; ++j) {
       const uint64_t word = MakeTagged(tag, bad ? 0u : static_cast<uint32_t>(s_send[j]));
       const size_t slot = w.sent_off + sizeof(uint64_t) * r;
-      if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + slot), word);
+      if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(PeerWindow(p, r) + slot), word);
       else PutControlWord(p, j, slot, w.sent_out_off + sizeof(uint64_t) * j, word, Op::kCombine);
     }
     OpConfig cfg = CombineConfig(c, w);
@@ -188,7 +189,7 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
     // with another configuration stops every rank's sends (CombineData);
     // each names it here rather than returning zeros unexplained. (A word
     // of another epoch: the barrier failed and reported already.)
-    const uint64_t* oks = reinterpret_cast<const uint64_t*>(p.base[r] + w.ok_off);
+    const uint64_t* oks = reinterpret_cast<const uint64_t*>(PeerWindow(p, r) + w.ok_off);
     for (int j = 0; j < R && !bad; ++j) {
       const uint64_t word = LdU64Volatile(oks + j);
       if (j == r || !TagMatches(word, *p.epoch)) continue;
@@ -267,7 +268,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   if (threadIdx.x < kMaxRanks) s_sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     s_ok = FirstPeerNotOk(p, w.ok_off, CombineOkValue(CombineConfig(c, w))) < 0;
-    const uint64_t* sent = reinterpret_cast<const uint64_t*>(p.base[r] + w.sent_off);
+    const uint64_t* sent = reinterpret_cast<const uint64_t*>(PeerWindow(p, r) + w.sent_off);
     for (int j = 0; j < R; ++j) {
       const uint64_t word = LdU64Volatile(sent + j);
       // A peer that passed the barrier has announced for this epoch.
@@ -284,8 +285,8 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   __syncthreads();
   const bool ok = s_ok != 0;  // the same on every rank (start kernel)
   const int chunk = ChunkRows(c.T);  // of the source's positions (rank) / tokens (expert)
-  char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
-  char* const my = p.base[r];
+  char* const lane_base = PeerWindow(p, lane < R ? lane : 0);  // null for a GIN peer
+  char* const my = PeerWindow(p, r);
   const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
 
   if (!ok) {
@@ -699,7 +700,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   c.expert = a.layout == EpLayout::kExpert;
   c.has_w = a.weights != nullptr;
   const CombineWindow w(R, c.T, c.H, c.K, EpDtypeBytes(a.y_dtype), c.expert);
-  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;
+  c.gin_rows = AnyGinPeer(p) ? GinChunkRows(c.T) : 0;
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 

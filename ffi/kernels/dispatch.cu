@@ -26,6 +26,7 @@
 #include "fp8.cuh"
 #include "kernel_load.h"
 #include "launch_policy.h"
+#include "peer.cuh"
 #include "transport.cuh"
 #include "window_layout.h"
 
@@ -270,7 +271,7 @@ __device__ __forceinline__ void RecvRow(const DispatchCfg& c, const DispatchWind
   const int R = p.nranks, El = c.El, K = c.K;
   const DispatchScratch sc(R, c.E);
   const int lane = LaneId();
-  const char* src = p.base[p.rank] + w.row(s, pos, c.T);
+  const char* src = MyWindow(p) + w.row(s, pos, c.T);
   const int* meta = reinterpret_cast<const int*>(src + w.meta_off);
   char* recv_x = static_cast<char*>(io.recv_x);
   const int nvec = static_cast<int>(w.payload_bytes / 16);
@@ -354,7 +355,7 @@ template <int kReadPending>
 __device__ __forceinline__ int RecvLoad(const DispatchCfg& c, const DispatchWindow& w, const EpPeers& p,
                                         int s, int pos, BulkSlots& bulk) {
   FenceBeforeBulkRead();
-  return bulk.Load<kReadPending>(p.base[p.rank] + w.row(s, pos, c.T), static_cast<uint32_t>(w.payload_bytes));
+  return bulk.Load<kReadPending>(MyWindow(p) + w.row(s, pos, c.T), static_cast<uint32_t>(w.payload_bytes));
 }
 
 // kBulk: rows move through shared memory by bulk copies (bulk_copy.cuh);
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   if (threadIdx.x <= R) s_prefix[threadIdx.x] = scratch[sc.prefix + threadIdx.x];
   if (threadIdx.x < R) s_sends[threadIdx.x] = send_ok ? scratch[sc.tokens_per_rank + threadIdx.x] : 0;
   __syncthreads();
-  char* const my = p.base[r];
+  char* const my = PeerWindow(p, r);
   const bool ok = scratch[DispatchScratch::kOk] != 0;           // grid-uniform
   const int lane = LaneId();
   constexpr int kWarps = kThreads / 32;
@@ -398,10 +399,10 @@ __global__ void __launch_bounds__(kThreads, 1) DispatchDataKernel(DispatchCfg c,
   }
 
   if (send_ok && static_cast<int>(blockIdx.x) < send_blocks) {
-    const int* rie = reinterpret_cast<const int*>(p.base[r] + w.rie_off);
+    const int* rie = reinterpret_cast<const int*>(PeerWindow(p, r) + w.rie_off);
     // Indexing the by-value EpPeers with a runtime rank goes through local
     // memory; do it once per thread, then move pointers between lanes.
-    char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
+    char* const lane_base = PeerWindow(p, lane < R ? lane : 0);  // null for a GIN peer
     const int jl = lane < R ? lane : 0;
     const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
     char* const lane_rows = tr.RowSlot(jl, lane_base, 0);  // my [0..T) rows for lane's peer
@@ -623,7 +624,7 @@ cudaError_t LaunchDispatch(const DispatchArgs& a, const EpPeers& p, cudaStream_t
   c.has_scales = fp8;
   c.ue8m0 = a.ue8m0;
   const DispatchWindow w(R, c.T, c.H, c.K, c.E, fp8 ? 1 : c.in_bytes, fp8);
-  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;
+  c.gin_rows = AnyGinPeer(p) ? GinChunkRows(c.T) : 0;
   PushIO io{a.x, a.x_scales, a.topk_idx, a.topk_weights, a.pos_in_rank, a.recv_x, a.recv_scales,
             a.recv_topk_idx, a.recv_topk_weights, a.recv_src_rank, a.recv_src_token, a.recv_src_k,
             a.counts, a.recv_counts};

@@ -9,6 +9,7 @@
 
 #include "common.cuh"
 #include "ep_kernels.h"
+#include "peer.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -45,7 +46,7 @@ struct PushIO {
 };
 
 __device__ __forceinline__ int* ScratchOf(const EpPeers& p, const DispatchWindow& w) {
-  return reinterpret_cast<int*>(p.base[p.rank] + w.scratch_off);
+  return reinterpret_cast<int*>(MyWindow(p) + w.scratch_off);
 }
 
 // Enqueues the setup kernel (one control block, R rank prep blocks, the

@@ -13,6 +13,7 @@
 #include "ep_copy.cuh"
 #include "kernel_load.h"
 #include "launch_policy.h"
+#include "peer.cuh"
 #include "setup_stamps.h"
 #include "transport.cuh"
 #include "window_layout.h"
@@ -115,7 +116,7 @@ __device__ __forceinline__ void DispatchPrep(const DispatchCfg& c, const Dispatc
   const int R = p.nranks;
   const DispatchScratch sc(R, c.E);
   int* scratch = ScratchOf(p, w);
-  int* rie = reinterpret_cast<int*>(p.base[p.rank] + w.rie_off);
+  int* rie = reinterpret_cast<int*>(MyWindow(p) + w.rie_off);
   const int lane = LaneId(), warp = static_cast<int>(threadIdx.x >> 5);
   const unsigned lt = (1u << lane) - 1u;  // lanes below this one
   const bool aligned16 = (reinterpret_cast<uintptr_t>(topk) & 15u) == 0;
@@ -343,7 +344,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
   int* scratch = ScratchOf(p, w);
   const int nslots = c.expert ? w.counts_stride : 2;
   const int tid = threadIdx.x;
-  const PeerTransport tr{p, p.base[r], 0, {}};  // control words only
+  const PeerTransport tr{p, PeerWindow(p, r), 0, {}};  // control words only
   if (tid == 0) Stamp(c, kStampStart);
 
   // This op's chunk counters start from zero; the barrier below publishes
@@ -414,7 +415,7 @@ __device__ __forceinline__ void DispatchControl(const DispatchCfg& c, const Disp
     Stamp(c, kStampBarrier2);
   }
   __syncthreads();
-  const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.base[r] + w.counts_off);
+  const uint64_t* mine = reinterpret_cast<const uint64_t*>(PeerWindow(p, r) + w.counts_off);
   for (int idx = tid; idx < R * nslots; idx += blockDim.x) {
     const int s = idx / nslots, i = idx % nslots;
     const uint64_t word = LdU64Volatile(mine + static_cast<size_t>(s) * w.counts_stride + i);

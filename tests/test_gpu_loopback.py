@@ -305,7 +305,7 @@ def test_a_configuration_mismatch_across_ranks_names_both_values_then_next_call_
     _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
 
 
-_FORMAT = "format (payload bytes | fp8 << 8 | expert layout << 16)"  # ffi/comm.cc ConfigMismatchDetail
+_FORMAT = "format (payload bytes | fp8 << 8 | expert layout << 16)"  # ffi/runtime/status.cc ConfigMismatchDetail
 _CALL = dict(dtype="bf16", cast_fp8=False, layout="rank")
 
 

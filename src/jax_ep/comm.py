@@ -99,7 +99,7 @@ class Communicator:
   @classmethod
   def create(cls, mesh: Mesh, axis_name: str = "ep", num_bytes: Optional[int] = None, *,
              timeout_s: float = 10.0, checked: bool = False,
-             replace: bool = False, transport: Optional[str] = None) -> "Communicator":
+             replace: bool = False, transport: str = "auto") -> "Communicator":
     """Creates the communicators for every EP group of `mesh` along
     `axis_name` that has a device in this process, and makes the result the
     one the ops of `axis_name` use (`current(axis_name)`).
@@ -124,10 +124,9 @@ class Communicator:
         load/store inside NCCL's LSA team, GIN RDMA beyond it), "gin" (every
         remote peer over GIN, to test that path; needs a NIC) or
         "gin_emulated" (the GIN code path carried over NVLink, to test it on
-        one host). None: the JAX_EP_TRANSPORT environment variable if set
-        (debugging), else "auto".
+        one host). Every process of a group must pass the same.
     """
-    if transport is not None and transport not in TRANSPORTS:
+    if transport not in TRANSPORTS:
       raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
     if axis_name not in mesh.axis_names:
       raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
@@ -175,7 +174,7 @@ class Communicator:
       specs.append((uid, num_ranks, ranks, ordinals))
     _native.ensure_registered()
     comm_id = _native.module().comm_create_groups(specs, num_bytes, float(timeout_s),
-                                                  bool(checked), transport or "")
+                                                  bool(checked), transport)
     comm = cls(comm_id=comm_id, mesh=mesh, axis_name=axis_name, num_bytes=num_bytes,
                timeout_s=float(timeout_s), checked=bool(checked))
     with _registry_lock:

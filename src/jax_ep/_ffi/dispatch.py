@@ -33,8 +33,9 @@ def dispatch(x: Any, topk_idx: Array, topk_weights: Optional[Array], *, num_expe
     x: [T, H] bf16/f16/f32 or an FP8 pair (q [T, H] e4m3, scales [T, H/128] f32).
     topk_idx: [T, K] int32 in [-1, E). topk_weights: [T, K] float or None.
     fp8 / ue8m0: cast x to FP8 in the kernel.
-    num_sms: at most this many SMs (0: the bandwidth model's count);
-    recv_sms: of them receiving (0: the model's share).
+    num_sms: at most this many SMs for each of its kernels, setup included
+      (0: the bandwidth model's count);
+    recv_sms: of the data kernel's, receiving (0: the model's share).
     start: enqueue on the communicator's side stream (dispatch_start); the
       results may be read only after side_done. Nothing is computed on
       them here then: recv_topk_weights stays f32 (and present without

@@ -8,8 +8,8 @@ from jax_ep._ffi import call
 
 
 def side_done(results: tuple, keep: tuple, *, comm_id: int) -> tuple:
-  """`*_done` of a start/done pair (ffi/side_lane.h): XLA's stream waits for
-  the start's kernels on the communicator's side stream. `results` (the
+  """`*_done` of a start/done pair (ffi/runtime/side_lane.h): XLA's stream
+  waits for the start's kernels on the communicator's side stream. `results` (the
   start's outputs) come back aliased, so nothing reads them before the wait;
   `keep` (the start's inputs, the compute to overlap) are operands only, so
   XLA keeps them alive until here and computes them first. Launches no

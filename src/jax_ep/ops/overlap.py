@@ -3,7 +3,7 @@ the normal ops split so that independent compute runs while rows move.
 
 On CUDA the start enqueues the op's kernels on the communicator's own stream
 (after everything XLA's stream has queued so far) and the done makes XLA's
-stream wait for them (ffi/side_lane.h, docs/design.md "Overlap"). The
+stream wait for them (ffi/runtime/side_lane.h, docs/design.md "Overlap"). The
 start's results reach the program only through the done, which takes them
 as aliased operands, with the start's inputs and the overlapped compute
 (`after=`) as further operands, so XLA keeps every buffer the side stream

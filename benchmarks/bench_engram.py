@@ -81,8 +81,8 @@ def window_bytes(shape: Shape) -> int:
   """The Communicator's num_bytes: one bf16 table shard, plus room for the
   FP8 one and the runtime header."""
   import jax.numpy as jnp
-  from jax_ep import _ffi_engram
-  return _ffi_engram.window_bytes_needed(rows_per_rank=shape.rows_per_rank, dim=shape.dim,
+  from jax_ep import _window
+  return _window.engram_bytes(rows_per_rank=shape.rows_per_rank, dim=shape.dim,
                                          dtype=jnp.bfloat16) + (8 << 20)
 
 
@@ -110,7 +110,8 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
-  from jax_ep import _ffi_engram, _native
+  from jax_ep import _native
+  from jax_ep._ffi import engram as _ffi_engram
   from bench_normal import digest_times, fmt, run_records, time_or_none, trace_us
 
   devices = jax.devices()[:shape.ranks]
@@ -169,11 +170,11 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
               kernel="EngramFetchKernel" if impl == "jax_ep" else None)
 
       # Publish once, then time the fetch kernel alone (+ the FP8 scale gather).
-      pub = jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))
+      pub = jax.jit(smap(lambda t: _ffi_engram.publish(t, comm_id=cid)))
       token = jax.block_until_ready(pub(tab))
 
       def fetch_only(tok, i, *s, vl=shape.rows_per_rank, dt=tab.dtype, n=0):
-        rows = _ffi_engram.fetch_cuda(tok, i, rows_per_rank=vl, dim=d, dtype=dt, comm_id=cid,
+        rows = _ffi_engram.fetch(tok, i, rows_per_rank=vl, dim=d, dtype=dt, comm_id=cid,
                                       num_sms=n)
         if not s:
           return rows
@@ -189,7 +190,7 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
         bench("jax_ep_fetch_132sms", dtype, smap(functools.partial(fetch_only, n=132)),
               (token, idx), row_bytes, 132, kernel="EngramFetchKernel")
         results += _large_fetch(shape, mesh, smap, token, cid, quick)
-      bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)),
+      bench("jax_ep_publish", dtype, smap(lambda t: _ffi_engram.publish(t, comm_id=cid)),
             (tab,), row_bytes, None, kernel="memcpy")  # its copy-engine copy
       # The publish's bar: a device-to-device cudaMemcpyAsync of the shard's
       # bytes on one of the GPUs, measured in this run (a timer of the test
@@ -218,9 +219,9 @@ def run(shape: Shape, *, quick: bool) -> list[dict]:
   comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=window_bytes(shape), checked=True)
   try:
     cid = comm.comm_id
-    token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))(table))
+    token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish(t, comm_id=cid)))(table))
     bench("jax_ep_fetch_checked", "bf16",
-          smap(lambda tok, i: _ffi_engram.fetch_cuda(tok, i, rows_per_rank=shape.rows_per_rank, dim=d,
+          smap(lambda tok, i: _ffi_engram.fetch(tok, i, rows_per_rank=shape.rows_per_rank, dim=d,
                                                      dtype=table.dtype, comm_id=cid)),
           (token, idx), d * 2, None, kernel="EngramFetchKernel")
     comm.check()
@@ -241,7 +242,7 @@ def _large_fetch(shape: Shape, mesh, smap, token, cid: int, quick: bool) -> list
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from jax_ep import _ffi_engram
+  from jax_ep._ffi import engram as _ffi_engram
   from bench_normal import time_or_none
 
   big = dataclasses.replace(shape, tokens=LARGE_TOKENS, rows_per_token=LARGE_ROWS)
@@ -250,7 +251,7 @@ def _large_fetch(shape: Shape, mesh, smap, token, cid: int, quick: bool) -> list
   nv, lg, rows = _bytes(idx_np, big, shape.dim * 2)
   out = []
   for nsms in LARGE_SMS[-2:] if quick else LARGE_SMS:
-    f = smap(lambda tok, i, n=nsms: _ffi_engram.fetch_cuda(
+    f = smap(lambda tok, i, n=nsms: _ffi_engram.fetch(
         tok, i, rows_per_rank=shape.rows_per_rank, dim=shape.dim, dtype=jnp.bfloat16,
         comm_id=cid, num_sms=n))
     t = time_or_none(f"engram_fetch/jax_ep_fetch_large/{nsms}", f, (token, idx), quick, max_iters=10)

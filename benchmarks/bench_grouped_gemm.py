@@ -54,7 +54,7 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
   case, where 128-row tiles waste nothing)."""
   import jax
   import jax.numpy as jnp
-  from jax_ep import _ffi
+  from jax_ep._ffi import grouped_gemm as gg_ffi
   k, n = _products("up")
   for routing, sz in (("random", sizes_np), ("uniform", np.full(EXPERTS, ROWS // EXPERTS,
                                                                  np.int32))):
@@ -68,12 +68,12 @@ def _product_records(quick, rec, sizes_np, key, dense_fwd_t, profile: dict) -> N
     # Default arguments bind this iteration's sizes and m: the forward call
     # is profiled after the loop has moved on.
     calls = {
-        "kernel_fwd": (lambda a, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
-            a, b, s, kind=_ffi.GG_FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
-        "kernel_dx": (lambda d, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
-            d, b, s, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
-        "kernel_dw": (lambda a, d, s=sizes: _ffi.grouped_gemm_cuda(
-            a, d, s, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
+        "kernel_fwd": (lambda a, b, s=sizes, m=m: gg_ffi.grouped_gemm(
+            a, b, s, kind=gg_ffi.FORWARD, out_shape=(m, n), out_dtype=jnp.bfloat16), (x, w)),
+        "kernel_dx": (lambda d, b, s=sizes, m=m: gg_ffi.grouped_gemm(
+            d, b, s, kind=gg_ffi.TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16), (dy, w)),
+        "kernel_dw": (lambda a, d, s=sizes: gg_ffi.grouped_gemm(
+            a, d, s, kind=gg_ffi.WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
             out_dtype=jnp.bfloat16), (x, dy)),
     }
     for prod, (f, a) in list(calls.items()):
@@ -154,7 +154,8 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
   import jax
   import jax.numpy as jnp
   import jax_ep
-  from jax_ep import _ffi, fp8
+  from jax_ep import fp8
+  from jax_ep._ffi import grouped_gemm as gg_ffi
   from jax_ep.ops import grouped_gemm as gg
   uniform = np.full(EXPERTS, ROWS // EXPERTS, np.int32)
   for direction in ("up", "down"):
@@ -184,15 +185,15 @@ def _fp8_records(quick, rec, sizes_np, key, dense_t: dict) -> None:
               (a, b), (c, d), s, backend="cuda"), (xq, xs, wf.q, wf.s)),
           ("fwd", "jax_ep"): (lambda a, b, s=sizes: jax_ep.grouped_matmul(
               a, b, s, backend="cuda"), (xb, wb)),
-          ("dgrad", "jax_ep_fp8_dgrad"): (lambda a, b, c, d, s=sizes: _ffi.grouped_gemm_fp8_cuda(
+          ("dgrad", "jax_ep_fp8_dgrad"): (lambda a, b, c, d, s=sizes: gg_ffi.grouped_gemm_fp8(
               a, b, c, d, s), (dq, ds, wf.q_t, wf.s_t)),
-          ("dgrad", "jax_ep_dgrad"): (lambda d, b, s=sizes, m=m: _ffi.grouped_gemm_cuda(
-              d, b, s, kind=_ffi.GG_TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16),
+          ("dgrad", "jax_ep_dgrad"): (lambda d, b, s=sizes, m=m: gg_ffi.grouped_gemm(
+              d, b, s, kind=gg_ffi.TRANS_W, out_shape=(m, k), out_dtype=jnp.bfloat16),
               (dyb, wb)),
-          ("wgrad", "jax_ep_fp8_wgrad"): (lambda a, b, c, d, s=psz: _ffi.grouped_gemm_fp8_cuda(
-              a, b, c, d, s, kind=_ffi.GG_WEIGHT_GRAD_FP8), (xt, xts, dt, dts)),
-          ("wgrad", "jax_ep_wgrad"): (lambda a, d, s=sizes: _ffi.grouped_gemm_cuda(
-              a, d, s, kind=_ffi.GG_WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
+          ("wgrad", "jax_ep_fp8_wgrad"): (lambda a, b, c, d, s=psz: gg_ffi.grouped_gemm_fp8(
+              a, b, c, d, s, kind=gg_ffi.WEIGHT_GRAD_FP8), (xt, xts, dt, dts)),
+          ("wgrad", "jax_ep_wgrad"): (lambda a, d, s=sizes: gg_ffi.grouped_gemm(
+              a, d, s, kind=gg_ffi.WEIGHT_GRAD, out_shape=(EXPERTS, k, n),
               out_dtype=jnp.bfloat16), (xb, dyb)),
           ("cast", "jax_ep_fp8_cast_rows"): (fp8.quantize, (dyb,)),
           ("cast", "jax_ep_fp8_cast_tokens"): (lambda a, s=sizes: tok(a, s), (xb,)),

@@ -196,9 +196,9 @@ def windows(shape: bench_normal.Shape) -> tuple[int, int]:
   """(reserved_bytes, the Communicator's num_bytes) at this shape: nothing
   else here uses the window, so the kernels' area starts at its base, as
   with the ops' default reserved_bytes."""
-  from jax_ep import _ffi_low_latency
+  from jax_ep import _window
   reserved = 0
-  nbytes = _ffi_low_latency.window_bytes_needed(
+  nbytes = _window.low_latency_bytes(
       num_ranks=shape.ranks, max_tokens=MAX_TOKENS, hidden=shape.hidden, topk=shape.topk,
       num_experts=shape.experts, reserved_bytes=reserved)
   return reserved, nbytes

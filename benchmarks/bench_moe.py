@@ -398,7 +398,7 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True,
   r_count = mesh.size
   if jax_ep.cuda_available():
     from jax_ep import comm as _comm
-    from jax_ep._ffi_dispatch import window_bytes_needed
+    from jax_ep._window import normal_bytes as window_bytes_needed
     if _comm.current("ep") is None:
       nbytes = max(1 << 30, window_bytes_needed(
           num_ranks=r_count, tokens_per_rank=max(4096, shape.tokens), hidden=shape.hidden,

@@ -567,17 +567,6 @@ def _records_in_subprocess(shape: "Shape", impl: str, env_extra: dict,
                              "normal", impl, env_extra, timeout_s)
 
 
-def register_copy(shape: "Shape") -> list[dict]:
-  """jax_ep's dispatch and combine with register copies instead of bulk
-  copies (JAX_EP_BULK=0, read once per process), as impl jax_ep_regcopy."""
-  got, rc, tail = _records_in_subprocess(shape, "jax_ep", {"JAX_EP_BULK": "0"})
-  if not got:
-    print(f"  jax_ep_regcopy: FAILED (rc {rc}): {tail[-300:]}", file=sys.stderr)
-  for r in got:
-    r.update(impl="jax_ep_regcopy", env="JAX_EP_BULK=0")
-  return got
-
-
 def ragged_modes(shape: "Shape", out_dir: str, timeout_s: int = 300) -> list[dict]:
   """sort + ragged_all_to_all under each RAGGED_XLA_MODES flag, each in a
   fresh process; a mode whose flag the plugin refuses gives a record with
@@ -619,7 +608,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
   h = shape.hidden
   smap = functools.partial(jax_ep.shard_map, mesh=mesh)
   disp = functools.partial(jax_ep.dispatch, num_experts=shape.experts, axis_name="ep")
-  sms = int(os.environ.get("JAX_EP_NUM_SMS", "0")) or 24
+  sms = 24  # jax_ep_sms: DeepEP's default SM budget (docs/design.md §6)
   results = []
   # jax_ep_checked last: it replaces the communicator by a checked one.
   impls = impls or ["jax_ep", "reference", "jax_all_to_all", "jax_capacity_all_to_all",
@@ -679,7 +668,7 @@ def run(shape: Shape, *, quick: bool, impls: Optional[list[str]] = None,
   fp8_row = h + (h // 128) * 4
   comm = None
   if any(i.startswith("jax_ep") for i in impls):
-    from jax_ep._ffi_dispatch import window_bytes_needed
+    from jax_ep._window import normal_bytes as window_bytes_needed
     nbytes = max(1 << 30, window_bytes_needed(num_ranks=shape.ranks, tokens_per_rank=shape.tokens,
                                               hidden=h, topk=shape.topk, num_experts=shape.experts))
     comm = jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes)
@@ -866,8 +855,6 @@ def main(argv=None) -> int:
   # (Not cuda_available(): asking JAX for its GPUs would start the backend.)
   gpu_here = _native.cuda_built() and os.path.exists("/dev/nvidiactl")
   if not args.sweep and not args.quick and gpu_here:
-    if impls is None or "jax_ep_regcopy" in impls:
-      early += register_copy(Shape(tokens=t))
     if not args.no_ragged_modes:
       early += ragged_modes(Shape(tokens=t), args.out)
 

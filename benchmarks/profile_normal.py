@@ -132,7 +132,7 @@ def main(argv=None) -> int:
   import jax
   from jax.sharding import Mesh
   import jax_ep
-  from jax_ep._ffi_dispatch import window_bytes_needed
+  from jax_ep._window import normal_bytes as window_bytes_needed
 
   gpus = gpus[:2]
   shape = bench_normal.Shape(tokens=args.tokens, ranks=len(gpus))

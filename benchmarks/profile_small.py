@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
   if args.op == "engram_fetch":
     import bench_engram
-    from jax_ep import _ffi_engram
+    from jax_ep._ffi import engram as _ffi_engram
     import jax.numpy as jnp
     shape = bench_engram.Shape()
     mesh = Mesh(np.array(jax.devices()[:shape.ranks]), ("ep",))
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     table, _, _ = bench_engram._tables(shape, mesh)
     idx = jax.device_put(bench_engram._indices(shape), NamedSharding(mesh, P("ep")))
     with jax_ep.Communicator.create(mesh, "ep", num_bytes=bench_engram.window_bytes(shape)) as comm:
-      tok = jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=comm.comm_id)))(table)
-      f = jax.jit(smap(lambda t, i: _ffi_engram.fetch_cuda(
+      tok = jax.jit(smap(lambda t: _ffi_engram.publish(t, comm_id=comm.comm_id)))(table)
+      f = jax.jit(smap(lambda t, i: _ffi_engram.fetch(
           t, i, rows_per_rank=shape.rows_per_rank, dim=shape.dim, dtype=jnp.bfloat16,
           comm_id=comm.comm_id)))
       for _ in range(args.calls):

@@ -1,9 +1,10 @@
 """Where the normal dispatch's setup kernel spends its time, phase by phase
 (the 14-25 µs of prep and control per dispatch at EP1, 20-33 µs at EP2,
 benchmarks/RESULTS.md; the setup kernel: docs/design.md §1). Runs a chain of dispatches per layout at the Normal shape (BF16,
-24 SMs) in a child process with JAX_EP_SETUP_STAMPS=1, whose setup kernels
+24 SMs) in a child process of a jax_ep built with JAX_EP_SETUP_STAMPS=ON
+(pip install -e . -Ccmake.define.JAX_EP_SETUP_STAMPS=ON), whose setup kernels
 note the global timer after each phase of the control block and at the
-start and end of every prep block (ffi/kernels/dispatch.cu, `Stamp`); the
+start and end of every prep block (ffi/kernels/dispatch_setup.cu, `Stamp`); the
 median over the chain's calls, µs from the control block's start, per phase.
 
   JAX_EP_BENCH_RANKS=1 python benchmarks/setup_stamps.py [--out DIR] [--calls N]
@@ -56,7 +57,7 @@ def child(calls: int) -> None:
   from jax.sharding import Mesh
   import jax_ep
   import bench_normal as bn
-  from jax_ep._ffi_dispatch import window_bytes_needed
+  from jax_ep._window import normal_bytes as window_bytes_needed
   shape = bn.Shape()
   mesh = Mesh(np.array(jax.devices()[:shape.ranks]), ("ep",))
   x, idx, w = bn._routing(jax.random.PRNGKey(0), shape)
@@ -92,9 +93,13 @@ def main(argv=None) -> int:
   gpus = bn.require_two_gpus("setup_stamps", need=1)
   if gpus is None:
     return 2
-  env = dict(os.environ, JAX_EP_SETUP_STAMPS="1")
+  import jax_ep
+  if not jax_ep.build_info().get("setup_stamps"):
+    print("setup_stamps: this jax_ep was built without the stamps; rebuild with "
+          "pip install -e . -Ccmake.define.JAX_EP_SETUP_STAMPS=ON", file=sys.stderr)
+    return 2
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--calls", str(args.calls)],
-                        env=env, capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=600)
   got = parse(proc.stderr)
   if proc.returncode != 0 or not got:
     print(f"setup_stamps: child exited {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}", file=sys.stderr)

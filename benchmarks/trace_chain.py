@@ -52,7 +52,7 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import jax_ep
-  from jax_ep import _ffi_engram
+  from jax_ep._ffi import engram as _ffi_engram
 
   mesh = Mesh(np.array(gpus[:1]), ("ep",))
   smap = lambda f: jax_ep.shard_map(f, mesh=mesh)  # noqa: E731
@@ -66,11 +66,11 @@ def main(argv=None) -> int:
   out = {}
   with jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes) as comm:
     cid = comm.comm_id
-    token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid)))(table))
-    fetch = smap(lambda tok, i: _ffi_engram.fetch_cuda(tok, i, rows_per_rank=VL, dim=D,
+    token = jax.block_until_ready(jax.jit(smap(lambda t: _ffi_engram.publish(t, comm_id=cid)))(table))
+    fetch = smap(lambda tok, i: _ffi_engram.fetch(tok, i, rows_per_rank=VL, dim=D,
                                                        dtype=jnp.bfloat16, comm_id=cid))
     out["engram_fetch"] = _both(fetch, (token, idx), "EngramFetchKernel", mesh)
-    publish = smap(lambda t: _ffi_engram.publish_cuda(t, comm_id=cid))
+    publish = smap(lambda t: _ffi_engram.publish(t, comm_id=cid))
     out["engram_publish"] = _both(publish, (table,), "memcpy", mesh)
     topk = jax.device_put(np.stack([rng.permutation(256)[:8] for _ in range(4096)]).astype(np.int32),
                           NamedSharding(mesh, P("ep")))

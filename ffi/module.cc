@@ -34,5 +34,8 @@ NB_MODULE(_jax_ep, m) {
   info["nccl_headers"] = JAX_EP_BUILD_NCCL;
   info["nccl_wheel"] = JAX_EP_BUILD_NCCL_WHEEL;  // nvidia-nccl-cu12 / -cu13, or ""
   info["cutlass_headers"] = JAX_EP_BUILD_CUTLASS;
+  // The debugging / comparison build options (CMakeLists.txt).
+  info["bulk_copies"] = static_cast<bool>(JAX_EP_BUILD_BULK_COPIES);
+  info["setup_stamps"] = static_cast<bool>(JAX_EP_BUILD_SETUP_STAMPS);
   m.attr("build_info") = info;
 }

@@ -11,7 +11,7 @@ NB_INC=$(python3 -c "import nanobind, os; print(os.path.join(os.path.dirname(nan
 PY_INC=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 grep -E "define NCCL_(MAJOR|MINOR|PATCH) " "$NCCL_INC/nccl.h" | awk '{printf "%s ", $3} END {print "<- NCCL"}'
 status=0
-for f in ffi/comm.cc ffi/handlers/*.cc ffi/kernels/*.cu ffi/testing/*.cc ffi/testing/*.cu; do
+for f in ffi/runtime/*.cc ffi/handlers/*.cc ffi/kernels/*.cu ffi/testing/*.cc ffi/testing/*.cu; do
   if nvcc -x cu -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
        -DJAX_EP_WITH_CUDA=1 -DJAX_EP_TESTING=1 -diag-suppress 940 -I ffi -I "$NCCL_INC" -I "$XLA_INC" -I "$NB_INC" \
        -I "$PY_INC" -c "$f" -o /dev/null; then

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_ep import _native
-from jax_ep._ffi import _call
+from jax_ep._ffi import call as _call
 
 # For tests that call the probe or the harness' device helpers.
 needs_harness = pytest.mark.skipif(

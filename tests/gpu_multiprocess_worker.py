@@ -19,7 +19,8 @@ from jax import lax  # noqa: E402
 def main() -> int:
     import gpu_helpers as h
     pid, nproc, mesh = h.init_one_process_per_gpu()
-    from jax_ep import _ffi, _native
+    from jax_ep import _native
+    from jax_ep._ffi import layout as layout_ffi
     from jax_ep.comm import Communicator
 
     R = nproc
@@ -47,7 +48,7 @@ def main() -> int:
     # layout vs the oracle.
     T, K, E = 513, 4, 16
     idx = np.stack([h.random_topk(rng, T, K, E) for _ in range(R)])
-    g = h.per_rank_jit(mesh, lambda i: _ffi.layout_cuda(i, num_experts=E, num_ranks=R,
+    g = h.per_rank_jit(mesh, lambda i: layout_ffi.layout(i, num_experts=E, num_ranks=R,
                                                          comm_id=comm.comm_id))
     outs = g(h.put(mesh, idx))
     for k, (name, arr) in enumerate(zip(("per_rank", "per_expert", "in_rank", "pos"), outs)):

@@ -35,7 +35,7 @@ def main() -> int:
     pid, nproc, mesh = h.init_one_process_per_gpu()
     import jax_ep
     from jax_ep._checks import EpRuntimeError
-    from jax_ep._ffi_dispatch import window_bytes_needed
+    from jax_ep._window import normal_bytes as window_bytes_needed
     from jax_ep.comm import Communicator
 
     R = nproc

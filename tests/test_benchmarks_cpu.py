@@ -238,34 +238,6 @@ def test_moe_ragged_layer_runs_again_under_the_symmetric_memory_flag(monkeypatch
   assert rec["time_us"] is None and rec["failed"] == "flag not accepted"
 
 
-def test_register_copy_runs_jax_ep_in_a_process_with_bulk_copies_off(monkeypatch):
-  """jax_ep_regcopy is what its name says: jax_ep's dispatch in a process
-  where JAX_EP_BULK=0 (read once per process) selects the register
-  copies."""
-  import json
-  import subprocess
-  import types
-  bn = _bench_normal()
-  envs = []
-
-  def fake_run(cmd, env, capture_output, text, timeout):
-    envs.append(env.get("JAX_EP_BULK"))
-    assert cmd[cmd.index("--impls") + 1] == "jax_ep"
-    out = cmd[cmd.index("--out") + 1]
-    os.makedirs(os.path.join(out, "normal"))  # the child adds its run file there
-    with open(os.path.join(out, "normal", "2026-01-01_abc1234_1.json"), "w") as f:
-      json.dump([dict(bench=b, impl="jax_ep", dtype="bf16", time_us=1.0)
-                 for b in ("normal_dispatch", "normal_combine")], f)
-    return types.SimpleNamespace(returncode=0, stdout="", stderr="")
-
-  monkeypatch.setattr(subprocess, "run", fake_run)
-  recs = bn.register_copy(bn.Shape(tokens=64))
-  assert envs == ["0"]
-  assert [(r["bench"], r["impl"], r["env"]) for r in recs] == [
-      ("normal_dispatch", "jax_ep_regcopy", "JAX_EP_BULK=0"),
-      ("normal_combine", "jax_ep_regcopy", "JAX_EP_BULK=0")]
-
-
 def test_soak_runs_on_cpu_with_the_reference():
   """benchmarks/soak.py's loop (chunks, drift check, memory, record) on 8 CPU
   devices with the reference backend, so the GPU run meets no script bug."""

@@ -135,7 +135,7 @@ def test_engram_table_grad_is_sum_of_row_cotangents_into_owner_shard(R, dtype, h
 def test_the_kernels_gradient_entries_sorted_stably_sum_to_the_references_bits():
     """The CUDA backend's table gradient sorts the reference's entries by
     local row (stably) and sums each row's run in order
-    (_ffi_engram.table_grad_cuda; the sum is a kernel). On CPU: those
+    (ops.engram._shard_grad; the sum is a kernel). On CPU: those
     entries, summed in that order by NumPy, give the reference's gradient bit
     for bit, on order-sensitive values (1e8, 1, -1e8 on hot rows)."""
     from jax_ep import reference as ref

@@ -143,7 +143,6 @@ def test_a_training_step_exports_for_cuda_from_this_cpu_machine():
   assert not {t for t in targets if "callback" in t}, targets  # no host callback in it
 
 
-@pytest.mark.skipif(not _native.cuda_built(), reason="the CUDA wrappers need jax_ep built with CUDA")
 def test_a_training_step_on_the_kernels_exports_for_cuda(monkeypatch):
   """As if a Communicator existed: the step lowers to jax_ep's custom calls
   (allowed explicitly, as every non-jax custom call must be) and serialises."""

@@ -226,17 +226,16 @@ def test_check_size_against_buffer_size_hint():
 
 
 @needs_harness
-def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works(monkeypatch):
-    """JAX_EP_TRANSPORT=gin puts the other rank on GIN. These machines have no
+def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works():
+    """transport="gin" puts the other rank on GIN. These machines have no
     GIN-capable NIC: create must raise a message that names GIN, the peer and
     the way back (not hang, not succeed), free what it had made, and leave a
     normal create working in the same process."""
     mesh = _mesh2()
     ordinals = [d.local_hardware_id for d in mesh.devices]
     native = _native.module()
-    monkeypatch.setenv("JAX_EP_TRANSPORT", "gin")
     try:
-        c = Communicator.create(mesh, h.AXIS, 4 << 20)
+        c = Communicator.create(mesh, h.AXIS, 4 << 20, transport="gin")
     except RuntimeError as e:
         msg = str(e)
     else:  # a machine whose NCCL does have GIN
@@ -244,19 +243,18 @@ def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works(monkeyp
             info = sorted(c.info(), key=lambda d: d["rank"])
             assert [d["gin_mask"] for d in info] == [0b10, 0b01]
         pytest.skip("this machine has GIN: the forced branch was created, not refused")
-    assert "GIN" in msg and "JAX_EP_TRANSPORT" in msg, msg
+    assert "GIN" in msg and "transport 'gin'" in msg and "transport='auto'" in msg, msg
     assert "EP rank" in msg and "device" in msg, msg
     assert comm_mod.current(h.AXIS) is None
 
     base = [native.mem_get_info(o)[0] for o in ordinals]
     for _ in range(4):  # a 256 MiB window per try: a leaked one shows
         with pytest.raises(RuntimeError, match="GIN"):
-            Communicator.create(mesh, h.AXIS, 256 << 20)
+            Communicator.create(mesh, h.AXIS, 256 << 20, transport="gin")
     after = [native.mem_get_info(o)[0] for o in ordinals]
     for o, b, a in zip(ordinals, base, after):
         assert b - a < (128 << 20), f"device {o}: {(b - a) >> 20} MiB not returned"
 
-    monkeypatch.setenv("JAX_EP_TRANSPORT", "auto")
     x = np.random.default_rng(5).standard_normal((2, 2, 256)).astype(np.float32)
     with Communicator.create(mesh, h.AXIS, 4 << 20) as c:
         assert all(d["gin_mask"] == 0 and d["lsa_size"] == 2 for d in c.info())
@@ -265,22 +263,20 @@ def test_forced_gin_fails_clearly_without_leaking_and_nvlink_still_works(monkeyp
         c.check()
 
 
-def test_an_unknown_transport_setting_is_refused_before_nccl_starts(monkeypatch):
+def test_an_unknown_transport_is_refused_before_nccl_starts():
     mesh = _mesh2()
-    monkeypatch.setenv("JAX_EP_TRANSPORT", "nvlink")
-    with pytest.raises(RuntimeError, match="JAX_EP_TRANSPORT=nvlink is not understood"):
-        Communicator.create(mesh, h.AXIS, 4 << 20)
+    with pytest.raises(ValueError, match="transport='nvlink' is not one of"):
+        Communicator.create(mesh, h.AXIS, 4 << 20, transport="nvlink")
     assert comm_mod.current(h.AXIS) is None
 
 
-def test_the_transport_argument_wins_over_the_environment(monkeypatch):
-    """Communicator.create(transport=...) is the knob; JAX_EP_TRANSPORT only
-    applies where the argument is not given (debugging)."""
+def test_the_transport_argument_alone_picks_the_transport(monkeypatch):
+    """Communicator.create(transport=...) is the knob; the environment plays
+    no part (the native code reads none)."""
     mesh = _mesh2()
-    monkeypatch.setenv("JAX_EP_TRANSPORT", "nvlink")  # would be refused if read
-    with Communicator.create(mesh, h.AXIS, 4 << 20, transport="auto") as c:
+    monkeypatch.setenv("JAX_EP_TRANSPORT", "gin")  # a leftover of older releases: ignored
+    with Communicator.create(mesh, h.AXIS, 4 << 20) as c:
         assert all(d["gin_mask"] == 0 and d["lsa_size"] == 2 for d in c.info())
-    monkeypatch.delenv("JAX_EP_TRANSPORT")
     with Communicator.create(mesh, h.AXIS, 4 << 20, transport="gin_emulated") as c:
         assert all(d["gin_emulated"] and d["gin_mask"] == 1 << (1 - d["rank"])
                    for d in _native.module().comm_info(c.comm_id))

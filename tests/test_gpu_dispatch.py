@@ -466,21 +466,3 @@ def test_combine_after_failed_dispatch_reports_without_stalling(comm, layout):
   else:
     assert elapsed < 5.0, f"combine after a failed dispatch took {elapsed:.1f} s (peer timeout?)"
   _assert_same(run("cuda"), run("reference"), "dispatch -> combine after the failed pair")
-
-
-@pytest.mark.skipif(os.environ.get("JAX_EP_BULK") == "0", reason="this is the JAX_EP_BULK=0 run")
-def test_register_copies_stay_bitwise_equal_reference():
-  """Rows that fit a shared-memory slot move by bulk (TMA) copies
-  (ffi/kernels/bulk_copy.cuh); JAX_EP_BULK=0 (read once per process) keeps
-  the register copies, which the in-kernel FP8 cast and rows too long for a
-  slot use anyway. The remote-rows cases again, in a process with it set."""
-  import subprocess
-  import sys
-  env = dict(os.environ, JAX_EP_BULK="0")
-  here = os.path.dirname(os.path.abspath(__file__))
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                      os.path.join(here, "test_gpu_dispatch.py"), "-k",
-                      "test_remote_rows_bitwise_equal_reference"],
-                     env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(here))
-  assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
-  assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]

@@ -337,7 +337,7 @@ def test_fetch_after_a_dispatch_overwrote_the_table_reports_stale(comm):
     reserved_bytes), a dispatch, then a fetch of that publication: 'stale
     publication' and zeros, never the dispatch's bytes; republishing works."""
     from jax_ep._checks import EpRuntimeError
-    from jax_ep._ffi_dispatch import dispatch_window_end
+    from jax_ep._window import dispatch_end as dispatch_window_end
 
     R = comm.num_ranks
     T_d, H_d, K_d, E_d = 1024, 2048, 4, 16

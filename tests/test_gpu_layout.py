@@ -15,7 +15,7 @@ pytestmark = [
 
 if _native.cuda_available():
     import gpu_helpers as h
-    from jax_ep import _ffi
+    from jax_ep._ffi import layout as layout_ffi
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def comm(gpu_comm):
 
 def _run_layout(comm, idx, E):
     R = comm.num_ranks
-    f = h.per_rank_jit(comm.mesh, lambda i: _ffi.layout_cuda(i, num_experts=E, num_ranks=R,
+    f = h.per_rank_jit(comm.mesh, lambda i: layout_ffi.layout(i, num_experts=E, num_ranks=R,
                                                               comm_id=comm.comm_id))
     return [np.asarray(a) for a in jax.block_until_ready(f(h.put(comm.mesh, idx)))]
 
@@ -87,7 +87,7 @@ def test_bad_expert_id_raises_naming_the_op_on_the_next_call(comm):
     bad = idx.copy()
     bad[0, 5, 1] = E  # rank 0 only; out of [-1, E)
     bad[0, 9, 0] = -7
-    f = h.per_rank_jit(comm.mesh, lambda i: _ffi.layout_cuda(i, num_experts=E, num_ranks=R,
+    f = h.per_rank_jit(comm.mesh, lambda i: layout_ffi.layout(i, num_experts=E, num_ranks=R,
                                                               comm_id=comm.comm_id))
     outs = [np.asarray(a) for a in jax.block_until_ready(f(h.put(comm.mesh, bad)))]
     # The bad ids count nothing; the rest of the layout is still right.

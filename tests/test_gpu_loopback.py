@@ -32,7 +32,7 @@ pytestmark = [
 ]
 
 if _native.cuda_available():
-  from jax_ep import _ffi_dispatch, _ffi_low_latency
+  from jax_ep import _window
   from loopback import Loopback
 
 DTYPES = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": F32}
@@ -53,7 +53,7 @@ def _inputs(rng, R, T, H, K, E, dtype, mode):
 
 
 def _window(R, T, H, K, E, x_bytes, fp8, y_bytes=4):
-  return _ffi_dispatch.window_bytes_needed(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
+  return _window.normal_bytes(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
                                            num_experts=E, x_bytes=x_bytes, fp8=fp8, y_bytes=y_bytes)
 
 
@@ -232,7 +232,7 @@ def _ll_round(lb, rng, T, H, K, E, mt, fp8, what):
 @pytest.mark.parametrize("R,T,H,K,E,mt,fp8", LL_CASES)
 def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, mt, fp8):
   rng = np.random.default_rng(stable_seed("loopback-ll", R, T, H, K, E, mt, fp8))
-  nbytes = _ffi_low_latency.window_bytes_needed(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
+  nbytes = _window.low_latency_bytes(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
                                                 num_experts=E)
   with Loopback(R, nbytes) as lb:
     for rnd in range(3):  # both of the kernels' double buffers, and back to the first
@@ -305,7 +305,7 @@ def test_a_configuration_mismatch_across_ranks_names_both_values_then_next_call_
     _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
 
 
-_FORMAT = "format (payload bytes | fp8 << 8 | expert layout << 16)"  # ffi/comm.cc ConfigMismatchDetail
+_FORMAT = "format (payload bytes | fp8 << 8 | expert layout << 16)"  # ffi/runtime/status.cc ConfigMismatchDetail
 _CALL = dict(dtype="bf16", cast_fp8=False, layout="rank")
 
 
@@ -421,7 +421,7 @@ _LL = dict(T=32, H=2048, K=4, E=32, mt=64)
 
 def _ll_window(reserved=0):
   c = _LL
-  return reserved + _ffi_low_latency.window_bytes_needed(num_ranks=2, max_tokens=c["mt"], hidden=c["H"],
+  return reserved + _window.low_latency_bytes(num_ranks=2, max_tokens=c["mt"], hidden=c["H"],
                                                          topk=c["K"], num_experts=c["E"])
 
 

@@ -12,7 +12,8 @@ import re
 import pytest
 
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "ffi" / "kernels"
-FILES = {"layout.cu": "LoadLayoutKernels", "dispatch.cu": "LoadDispatchKernels",
+FILES = {"layout.cu": "LoadLayoutKernels", "dispatch_setup.cu": "LoadDispatchSetupKernels",
+         "dispatch.cu": "LoadDispatchKernels",
          "combine.cu": "LoadCombineKernels", "low_latency.cu": "LoadLowLatencyKernels",
          "engram.cu": "LoadEngramKernels", "abort.cu": "LoadAbortKernels"}
 
@@ -54,6 +55,6 @@ def test_comm_loads_every_list():
   header = (KERNELS / "kernel_load.h").read_text()
   body = re.search(r"LoadCommKernels\(\)\s*\{(.*?)\n\}", header, re.S).group(1)
   assert sorted(re.findall(r"Load\w+Kernels", body)) == sorted(FILES.values())
-  comm = (KERNELS.parent / "comm.cc").read_text()
+  comm = (KERNELS.parent / "runtime" / "comm.cc").read_text()
   loopback = (KERNELS.parent / "testing" / "loopback.cc").read_text()
   assert "LoadCommKernels()" in comm and "LoadCommKernels()" in loopback

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_ep import _ffi
+from jax_ep._ffi import layout as layout_ffi
 
 try:
     _shard_map = jax.shard_map
@@ -54,7 +54,7 @@ def test_layout_lowers_to_custom_call_with_comm_id_and_config_attributes():
     mesh = _mesh(R)
 
     def per_rank(idx):
-        return _ffi.layout_cuda(idx, num_experts=E, num_ranks=R, comm_id=COMM_ID)
+        return layout_ffi.layout(idx, num_experts=E, num_ranks=R, comm_id=COMM_ID)
 
     text = _export_text(_smap(per_rank, mesh), jax.ShapeDtypeStruct((R * T, K), jnp.int32))
     calls = _custom_calls(text, "jax_ep_dispatch_layout")
@@ -85,7 +85,7 @@ def test_probe_lowers_to_custom_call_with_per_shard_shape():
 
 def test_layout_rejects_non_int32_ids_at_trace_time():
     with pytest.raises(ValueError, match="int32"):
-        _ffi.layout_cuda(jnp.zeros((4, 2), jnp.int16), num_experts=4, num_ranks=2, comm_id=1)
+        layout_ffi.layout(jnp.zeros((4, 2), jnp.int16), num_experts=4, num_ranks=2, comm_id=1)
 
 
 def test_buffer_size_hint_is_granule_aligned_and_grows_with_config():
@@ -115,14 +115,14 @@ def test_communicator_create_rejects_cpu_mesh_and_missing_axis():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_engram_publish_and_fetch_lower_to_two_custom_calls_ordered_by_the_token(dtype):
-  from jax_ep import _ffi_engram
+  from jax_ep._ffi import engram as _ffi_engram
 
   R, VL, D, T, E = 2, 1000, 128, 16, 3
   mesh = _mesh(R)
 
   def per_rank(table, idx):
-    token = _ffi_engram.publish_cuda(table, comm_id=COMM_ID, reserved_bytes=12345)
-    rows = _ffi_engram.fetch_cuda(token, idx.reshape(T, E), rows_per_rank=VL, dim=D,
+    token = _ffi_engram.publish(table, comm_id=COMM_ID, reserved_bytes=12345)
+    rows = _ffi_engram.fetch(token, idx.reshape(T, E), rows_per_rank=VL, dim=D,
                                   dtype=dtype, comm_id=COMM_ID, reserved_bytes=12345)
     return rows.reshape(1, T, E, D)
 
@@ -143,13 +143,13 @@ def test_engram_publish_and_fetch_lower_to_two_custom_calls_ordered_by_the_token
 
 
 def test_engram_fused_publish_fetch_lowers_to_one_custom_call():
-  from jax_ep import _ffi_engram
+  from jax_ep._ffi import engram as _ffi_engram
 
   R, VL, D, T, E = 2, 64, 128, 8, 2
   mesh = _mesh(R)
 
   def per_rank(table, idx):
-    return _ffi_engram.publish_and_fetch(table, idx.reshape(T, E), comm_id=COMM_ID,
+    return _ffi_engram.publish_fetch(table, idx.reshape(T, E), comm_id=COMM_ID,
                                          num_sms=7).reshape(1, T, E, D)
 
   f = _shard_map(per_rank, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
@@ -200,13 +200,13 @@ def test_engram_cuda_backend_without_communicator_or_with_short_rows_raises(dim,
 
 
 def test_engram_window_bytes_needed_places_table_above_reserved_area():
-  from jax_ep import _ffi_engram
+  from jax_ep import _window
 
-  need = _ffi_engram.window_bytes_needed(rows_per_rank=524288, dim=128, dtype=jnp.bfloat16,
-                                         reserved_bytes=1000)
+  need = _window.engram_bytes(rows_per_rank=524288, dim=128, dtype=jnp.bfloat16,
+                              reserved_bytes=1000)
   assert need == 4096 + 524288 * 256
-  need = _ffi_engram.window_bytes_needed(rows_per_rank=10, dim=128, dtype=jnp.float8_e4m3fn,
-                                         reserved_bytes=5000)
+  need = _window.engram_bytes(rows_per_rank=10, dim=128, dtype=jnp.float8_e4m3fn,
+                              reserved_bytes=5000)
   assert need == 5120 + 10 * 128
 
 
@@ -222,6 +222,7 @@ def test_published_tables_lower_to_one_publish_each_and_fetches_that_take_its_to
   class _Comm:
     comm_id: int = COMM_ID
     num_ranks: int = 2
+    num_bytes: int = 1 << 30
 
   monkeypatch.setattr(_backend, "cuda_comm", lambda axis_name: _Comm())
   R, VL, D, T, E = 2, 1000, 128, 16, 3

@@ -1,7 +1,7 @@
 """The Python size hint must equal the kernels' own window need.
 
 `jax_ep.get_buffer_size_hint` (and the benchmarks) size the window with
-`_ffi_dispatch.window_bytes_needed`, a Python mirror of window_layout.h; a
+`jax_ep._window.normal_bytes`, a Python mirror of window_layout.h; a
 mirror that under-counts makes every dispatch fail with "window too small".
 This compares the two over shapes that exercise each term (ranks, tokens,
 hidden, top-k, experts, dtype bytes, FP8), and likewise the low-latency
@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from jax_ep import _native, _ffi_dispatch
+from jax_ep import _native, _window
 
 pytestmark = pytest.mark.skipif(not _native.cuda_built(), reason="needs jax_ep's CUDA build")
 
@@ -25,9 +25,8 @@ def test_python_window_hint_equals_kernel_layout(R, T, H, K, E):
   m = _native.module()
   for x_bytes, fp8, y_bytes in itertools.product((2, 4), (False, True), (2, 4)):
     want = m.window_bytes_needed(R, T, H, K, E, x_bytes, fp8, y_bytes)
-    got = _ffi_dispatch.window_bytes_needed(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
-                                            num_experts=E, x_bytes=x_bytes, fp8=fp8,
-                                            y_bytes=y_bytes)
+    got = _window.normal_bytes(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
+                               num_experts=E, x_bytes=x_bytes, fp8=fp8, y_bytes=y_bytes)
     assert got == want, (R, T, H, K, E, x_bytes, fp8, y_bytes, got, want)
 
 
@@ -36,25 +35,23 @@ def test_python_window_hint_equals_kernel_layout(R, T, H, K, E):
     (8, 128, 7168, 8, 256, 1 << 20), (4, 256, 4096, 32, 1024, 0),
 ])
 def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved):
-  from jax_ep import _ffi_low_latency
   want = _native.module().ll_window_bytes(R, M, H, K, E, reserved)
-  got = _ffi_low_latency.window_bytes_needed(num_ranks=R, max_tokens=M, hidden=H, topk=K,
-                                             num_experts=E, reserved_bytes=reserved)
+  got = _window.low_latency_bytes(num_ranks=R, max_tokens=M, hidden=H, topk=K,
+                                  num_experts=E, reserved_bytes=reserved)
   assert got == want, (R, M, H, K, E, reserved, got, want)
 
 
 @pytest.mark.parametrize("rows,dim", [(0, 8), (1, 8), (1000, 256), (4097, 7168), (7, 24)])
 def test_engram_window_formula_equals_kernel_layout(rows, dim):
   import jax.numpy as jnp
-  from jax_ep import _ffi_engram
   m = _native.module()
   for dtype, reserved, end in itertools.product(
       (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn),
       (0, 1, 4095, 4096, 4097, 12345, (1 << 28) + 3), (0, 256, 1 << 20, 777)):
     row_bytes = dim * jnp.dtype(dtype).itemsize
     want = m.engram_window_bytes(rows, row_bytes, reserved, end)
-    got = _ffi_engram.window_bytes_needed(rows_per_rank=rows, dim=dim, dtype=dtype,
-                                          reserved_bytes=reserved, table_end_offset=end)
+    got = _window.engram_bytes(rows_per_rank=rows, dim=dim, dtype=dtype,
+                               reserved_bytes=reserved, table_end_offset=end)
     assert got == want, (rows, dim, dtype, reserved, end, got, want)
 
 
@@ -74,8 +71,8 @@ def test_the_window_layout_constants_are_the_native_ones():
 
 def test_the_low_latency_max_tokens_is_the_native_one():
   """The count words' 16 bits of rows (low_latency.cuh kLlMaxTokens)."""
-  from jax_ep import _ffi_low_latency
-  assert _ffi_low_latency.MAX_TOKENS == _native.module().ll_max_tokens
+  from jax_ep._ffi import low_latency as ffi_ll
+  assert ffi_ll.MAX_TOKENS == _native.module().ll_max_tokens
 
 
 def test_the_module_registers_exactly_the_listed_targets():

@@ -15,7 +15,7 @@
 #include <tuple>
 #include <vector>
 
-#include "comm.h"
+#include "runtime/comm.h"
 #include "handlers/state.h"
 #include "kernels/gin.cuh"
 #include "kernels/engram_layout.h"
@@ -267,7 +267,7 @@ void RegisterCudaBindings(nb::module_& m) {
       "The per-peer transport choice made at create, as a pure function: "
       "(['self'|'lsa'|'gin' per rank], gin_mask, error message or ''). gin is one of "
       "not_built, untested, no_device, rail_only, available; emulate: "
-      "JAX_EP_TRANSPORT=gin_emulated (GIN carried over NVLink; implies force_gin).");
+      "transport gin_emulated (GIN carried over NVLink; implies force_gin).");
 
   m.def(
       "status_message",
@@ -290,7 +290,7 @@ void RegisterCudaBindings(nb::module_& m) {
       "The message of a status code (what a kernel's error becomes); for tests.");
 
   m.def("is_fatal_status", &jax_ep::IsFatalStatus, nb::arg("code"),
-        "True when the next op after this status code is refused (comm.h IsFatalStatus); for tests.");
+        "True when the next op after this status code is refused (runtime/status.h IsFatalStatus); for tests.");
 
   m.def("nccl_version", [] { return jax_ep::NcclVersions(); },
         "(NCCL_VERSION_CODE compiled against, ncclGetVersion() loaded)");

@@ -1,12 +1,16 @@
-// FFI targets "jax_ep_engram_publish" and "jax_ep_engram_fetch" (execute
-// stage; instantiate is the shared one in bindings.cc). Mirrored by
-// jax_ep/_ffi_engram.py. Window layout: kernels/engram_layout.h.
+// FFI targets "jax_ep_engram_publish", "jax_ep_engram_fetch",
+// "jax_ep_engram_publish_fetch" (execute stage; instantiate is the shared
+// one in bindings.cc) and "jax_ep_engram_grad". Mirrored by
+// jax_ep/_ffi/engram.py. Window layout: kernels/engram_layout.h.
+// num_sms i32 on each: 0 the kernel's own count, n > 0 at most n SMs.
 //
 // jax_ep_engram_publish
 //   attrs: comm_id i64, table_end_offset i64 (bytes between the table's end
 //          and the window's end: the tables published above it),
 //          reserved_bytes i64 (window bytes from the base that
-//          the normal ops of the same program need; the table goes above)
+//          the normal ops of the same program need; the table goes above),
+//          num_sms i32 (the publish takes one CTA and the copy engine,
+//          within any n >= 1)
 //   args:  table [V/R, D] bf16/f16/f32/f8e4m3fn (this rank's shard)
 //   rets:  token s32 [1] (this area's publish version, >= 1, or 0 if the
 //          publish failed; feed it to fetch so XLA orders them, and the
@@ -142,9 +146,10 @@ ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<
 
 ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                                 int64_t comm_id, int64_t reserved_bytes,
-                                int64_t table_end_offset, ffi::AnyBuffer table,
+                                int64_t table_end_offset, int32_t num_sms, ffi::AnyBuffer table,
                                 ffi::Result<ffi::Buffer<ffi::S32>> token) {
   constexpr const char* kOp = "engram_publish";
+  (void)num_sms;  // one CTA: within any n >= 1 (LaunchEngramPublish)
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
     return err;
@@ -235,8 +240,8 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
 
 // jax_ep_engram_grad (stateless): rows s32 [n] sorted, order s32 [n] (d's
 // row of each sorted entry), d f32 [n, D] -> g f32 [V/R, D], the ordered
-// per-row sum (kernels/engram_grad.h).
-ffi::Error EngramGradExecute(cudaStream_t stream, ffi::Buffer<ffi::S32> rows,
+// per-row sum (kernels/engram_grad.h); attrs: num_sms i32.
+ffi::Error EngramGradExecute(cudaStream_t stream, int32_t num_sms, ffi::Buffer<ffi::S32> rows,
                              ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::F32> d,
                              ffi::Result<ffi::Buffer<ffi::F32>> g) {
   constexpr const char* kOp = "engram_fetch (table gradient)";
@@ -250,7 +255,7 @@ ffi::Error EngramGradExecute(cudaStream_t stream, ffi::Buffer<ffi::S32> rows,
     return Invalid(kOp, "table dimensions must be below 2^31");
   if (cudaError_t err = LaunchOrderedRowSum(rows.typed_data(), order.typed_data(), d.typed_data(), dd[0],
                                             static_cast<int>(gd[1]), static_cast<int32_t>(gd[0]),
-                                            g->typed_data(), stream);
+                                            g->typed_data(), num_sms, stream);
       err != cudaSuccess) {
     return CudaError(err, "engram table gradient launch");
   }
@@ -264,6 +269,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishExecute, jax_ep::EngramPublishEx
                               jax_ep::BindEpExecute()
                                   .Attr<int64_t>("reserved_bytes")
                                   .Attr<int64_t>("table_end_offset")
+                                  .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
@@ -288,6 +294,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramPublishFetchExecute, jax_ep::EngramPubl
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpEngramGradExecute, jax_ep::EngramGradExecute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

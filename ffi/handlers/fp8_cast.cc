@@ -1,6 +1,7 @@
 // FFI targets "jax_ep_fp8_cast_weights" and "jax_ep_fp8_cast_tokens": the
 // FP8 casts of the grouped GEMM's training path (kernels/fp8_cast.h).
-// Stateless, like the grouped GEMM.
+// Stateless, like the grouped GEMM. Mirrored by jax_ep/_ffi/fp8_cast.py.
+//   attrs: num_sms i32 (0: a CTA per 128 x 128 tile; n > 0: at most n SMs)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -27,7 +28,7 @@ ffi::Error Done(const char* err) {
              : ffi::Error::Success();
 }
 
-ffi::Error CastWeightsExecute(cudaStream_t stream, ffi::AnyBuffer w,
+ffi::Error CastWeightsExecute(cudaStream_t stream, int32_t num_sms, ffi::AnyBuffer w,
                               ffi::Result<ffi::AnyBuffer> q_nk, ffi::Result<ffi::AnyBuffer> q_kn,
                               ffi::Result<ffi::Buffer<ffi::F32>> scales) {
   const auto d = w.dimensions();
@@ -46,10 +47,10 @@ ffi::Error CastWeightsExecute(cudaStream_t stream, ffi::AnyBuffer w,
   return Done(LaunchCastWeightsFp8(w.untyped_data(), w.element_type() == ffi::DataType::F32, g,
                                    h, f, static_cast<uint8_t*>(q_nk->untyped_data()),
                                    static_cast<uint8_t*>(q_kn->untyped_data()),
-                                   scales->typed_data(), stream));
+                                   scales->typed_data(), num_sms, stream));
 }
 
-ffi::Error CastTokensExecute(cudaStream_t stream, ffi::AnyBuffer x,
+ffi::Error CastTokensExecute(cudaStream_t stream, int32_t num_sms, ffi::AnyBuffer x,
                              ffi::Buffer<ffi::S32> chunk_src, ffi::Buffer<ffi::S32> chunk_rows,
                              ffi::Result<ffi::AnyBuffer> qt,
                              ffi::Result<ffi::Buffer<ffi::F32>> scales) {
@@ -77,7 +78,7 @@ ffi::Error CastTokensExecute(cudaStream_t stream, ffi::AnyBuffer x,
   return Done(LaunchCastTokensFp8(x.untyped_data(), x.element_type() == ffi::DataType::F32, c,
                                   m == 0 ? 0 : p, chunk_src.typed_data(), chunk_rows.typed_data(),
                                   static_cast<uint8_t*>(qt->untyped_data()),
-                                  scales->typed_data(), stream));
+                                  scales->typed_data(), num_sms, stream));
 }
 
 }  // namespace
@@ -86,6 +87,7 @@ ffi::Error CastTokensExecute(cudaStream_t stream, ffi::AnyBuffer x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpFp8CastWeightsExecute, jax_ep::CastWeightsExecute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
@@ -94,6 +96,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpFp8CastWeightsExecute, jax_ep::CastWeightsExe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpFp8CastTokensExecute, jax_ep::CastTokensExecute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

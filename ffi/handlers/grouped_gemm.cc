@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string>
 
-#include "handlers/device_sms.h"
 #include "kernels/grouped_gemm.h"
+#include "kernels/launch_policy.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {

@@ -1,5 +1,8 @@
 // FFI target "jax_ep_dispatch_layout" (execute stage; instantiate is shared,
-// see bindings.cc).
+// see bindings.cc). Mirrored by jax_ep/_ffi/layout.py.
+//   attrs: comm_id i64, num_experts i32, num_ranks i32, num_sms i32 (0: the
+//          kernel's own; n > 0: at most n SMs; the kernel is one CTA, within
+//          any n >= 1)
 #include <cstdint>
 #include <string>
 
@@ -11,11 +14,12 @@ namespace {
 
 ffi::Error DispatchLayoutExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                                  int64_t comm_id, int32_t num_experts, int32_t num_ranks,
-                                 ffi::Buffer<ffi::S32> topk_idx,
+                                 int32_t num_sms, ffi::Buffer<ffi::S32> topk_idx,
                                  ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_rank,
                                  ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
                                  ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
                                  ffi::Result<ffi::Buffer<ffi::S32>> pos_in_rank) {
+  (void)num_sms;  // one CTA (LaunchDispatchLayout): within any n >= 1
   DeviceLease lease;
   if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, "get_dispatch_layout", lease);
       err.failure()) {
@@ -77,6 +81,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchLayoutExecute, jax_ep::DispatchLayout
                               jax_ep::BindEpExecute()
                                   .Attr<int32_t>("num_experts")
                                   .Attr<int32_t>("num_ranks")
+                                  .Attr<int32_t>("num_sms")
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()

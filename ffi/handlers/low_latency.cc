@@ -24,8 +24,8 @@
 #include <cstdint>
 #include <string>
 
-#include "handlers/device_sms.h"
 #include "handlers/state.h"
+#include "kernels/launch_policy.h"
 #include "kernels/low_latency.cuh"
 
 namespace jax_ep {

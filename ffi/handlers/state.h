@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "comm.h"
+#include "runtime/comm.h"
 #include "kernels/abort.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -12,9 +12,7 @@ __global__ void RefusedBarriersKernel(const __grid_constant__ EpPeers p, int bar
   const uint64_t last = *p.epoch + static_cast<uint64_t>(barriers);
   *p.epoch = last;
   __threadfence_system();
-  for (int r = 0; r < p.nranks; ++r) {
-    if (!((p.gin_mask >> r) & 1u)) st_relaxed_sys(barrier_flags(p, r) + p.rank, last | kBarrierRefusedBit);
-  }
+  refuse_barriers(p, last);
 }
 
 }  // namespace

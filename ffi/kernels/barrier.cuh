@@ -12,6 +12,7 @@
 
 #include "common.cuh"
 #include "gin.cuh"
+#include "peer.cuh"
 
 namespace jax_ep {
 
@@ -30,7 +31,7 @@ __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
   __threadfence_system();
   bool sent = true;
   for (int r = 0; r < p.nranks; ++r) {
-    if ((p.gin_mask >> r) & 1u) {
+    if (ReachedByGin(p, r)) {
       sent &= GinPut(p, op, r, 0, 0, 0, GinSignalId(p.rank, kGinControlChannel));
     } else {
       st_relaxed_sys(barrier_flags(p, r) + p.rank, e);
@@ -43,7 +44,7 @@ __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
   // (~1 µs), so the spin looks at it only every 256 polls, not every poll.
   unsigned polls = 0;
   for (int r = 0; r < p.nranks; ++r) {
-    const bool gin = (p.gin_mask >> r) & 1u;
+    const bool gin = ReachedByGin(p, r);
     const uint32_t sig = GinSignalId(r, kGinControlChannel);
     for (;;) {
       if (gin) {
@@ -66,6 +67,18 @@ __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
     }
   }
   return true;
+}
+
+// A rank that refuses its call (abort.h) stands in for every barrier up to
+// epoch `last` (its epoch is already there): LSA peers find the refused bit
+// in its flag and fail at once. A GIN peer's barrier counts control signals
+// only and learns nothing from a flag, so it waits until its timeout; giving
+// it the bit (a flag put before the signals) is still to do. One thread,
+// after a system fence.
+__device__ inline void refuse_barriers(const EpPeers& p, uint64_t last) {
+  for (int r = 0; r < p.nranks; ++r) {
+    if (!ReachedByGin(p, r)) st_relaxed_sys(barrier_flags(p, r) + p.rank, last | kBarrierRefusedBit);
+  }
 }
 
 }  // namespace jax_ep

@@ -19,12 +19,15 @@
 #include <cuda_fp16.h>
 
 #include "bulk_copy.cuh"
+#include "combine_reduce.cuh"
 #include "config_check.cuh"
 #include "ep_copy.cuh"
 #include "transport.cuh"
 #include "vec16.cuh"
 #include "ep_kernels.h"
 #include "kernel_load.h"
+#include "launch_policy.h"
+#include "peer.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -32,10 +35,9 @@ namespace {
 
 // One block size for both roles of the data kernel: 32 warps, and the
 // reducer keeps kReduceUnroll vectors of two rows in flight so it stays
-// under 64 registers. With bulk copies (bulk_copy.cuh): BulkWarpsFor warps.
+// under 64 registers (combine_reduce.cuh). With bulk copies
+// (bulk_copy.cuh): BulkWarpsFor warps.
 constexpr int kThreads = 1024;
-constexpr int kReduceUnroll = 2;
-constexpr int kSmemUnroll = 4;  // the bulk reducer's vectors per lane per step
 constexpr int kStartThreads = 1024;
 
 struct CombineCfg {
@@ -73,7 +75,7 @@ __device__ __forceinline__ uint32_t CombineOkValue(const OpConfig& cfg) {
 }
 
 // Expert layout: the handle's rows are checked and counted by scanner
-// blocks, CombineScan (1 + kCombineScanBlocks blocks in one launch with the
+// blocks, CombineScan (up to kCombineScanBlocks blocks in one launch with the
 // control block). A row of this rank's own token is not copied at all: its
 // scanner leaves a note in the row's [t][k] slot trailer (LocalNote), and
 // the reducers read the row straight from y.
@@ -98,7 +100,7 @@ __device__ __forceinline__ void CombineScan(const CombineCfg& c, const CombineWi
   if (threadIdx.x == 0) s_bad = 0;
   __syncthreads();
   const uint32_t tag = static_cast<uint32_t>(*p.epoch + 1);  // the epoch this op's barrier uses
-  char* const my = p.base[r];
+  char* const my = PeerWindow(p, r);
   const int per = (c.C + blocks - 1) / blocks;
   const int r0 = min(c.C, b * per), r1 = min(c.C, r0 + per);
   bool bad = false;
@@ -175,7 +177,7 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
     for (int j = 0; j < R; ++j) {
       const uint64_t word = MakeTagged(tag, bad ? 0u : static_cast<uint32_t>(s_send[j]));
       const size_t slot = w.sent_off + sizeof(uint64_t) * r;
-      if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(p.base[r] + slot), word);
+      if (j == r) StU64Volatile(reinterpret_cast<uint64_t*>(PeerWindow(p, r) + slot), word);
       else PutControlWord(p, j, slot, w.sent_out_off + sizeof(uint64_t) * j, word, Op::kCombine);
     }
     OpConfig cfg = CombineConfig(c, w);
@@ -187,7 +189,7 @@ __device__ __forceinline__ void CombineControl(const CombineCfg& c, const Combin
     // with another configuration stops every rank's sends (CombineData);
     // each names it here rather than returning zeros unexplained. (A word
     // of another epoch: the barrier failed and reported already.)
-    const uint64_t* oks = reinterpret_cast<const uint64_t*>(p.base[r] + w.ok_off);
+    const uint64_t* oks = reinterpret_cast<const uint64_t*>(PeerWindow(p, r) + w.ok_off);
     for (int j = 0; j < R && !bad; ++j) {
       const uint64_t word = LdU64Volatile(oks + j);
       if (j == r || !TagMatches(word, *p.epoch)) continue;
@@ -240,135 +242,6 @@ __device__ __forceinline__ void SendCombineRow(const CombineCfg& c, const Combin
   }
 }
 
-// acc += w * v (kHasW) or acc += v, element by element, each product and
-// sum rounded on its own (never an FMA): the roundings of docs/design.md §2.
-template <typename TY, bool kHasW>
-__device__ __forceinline__ void AccumulateVec(float (&acc)[Vec16<TY>::N], const uint4& v, float w) {
-  float f[Vec16<TY>::N];
-  Vec16<TY>::ToFloat(v, f);
-#pragma unroll
-  for (int e = 0; e < Vec16<TY>::N; ++e) acc[e] = kHasW ? __fadd_rn(acc[e], __fmul_rn(w, f[e])) : __fadd_rn(acc[e], f[e]);
-}
-
-// Sum the n rows listed by lanes 0..n-1 (lane i: row pointer and weight) in
-// list order, in f32 with separate roundings, into out. Two rows are loaded
-// before either is added, so each step has twice the loads in flight.
-template <typename TY, bool kHasW>
-__device__ __forceinline__ void ReduceRows(const CombineWindow& w, int n, const char* my_row,
-                                           float my_w, uint4* out) {
-  constexpr int V = Vec16<TY>::N;
-  constexpr int U = kReduceUnroll;
-  const int lane = LaneId();
-  const int nvec = static_cast<int>(w.payload_bytes / 16);
-  // -0.0 is the exact additive identity (the reference starts there, since
-  // XLA folds 0 + p into p); a token with no rows gets +0.0.
-  const float init = n > 0 ? -0.f : 0.f;
-  for (int base = 0; base < nvec; base += 32 * U) {
-    float acc[U][V];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[u][e] = init;
-    for (int i = 0; i < n; i += 2) {
-      const bool two = i + 1 < n;
-      const uint4* r0 = reinterpret_cast<const uint4*>(ShflPtr(my_row, i));
-      const uint4* r1 = reinterpret_cast<const uint4*>(ShflPtr(my_row, two ? i + 1 : i));
-      const float w0 = __shfl_sync(kFullMask, my_w, i);
-      const float w1 = __shfl_sync(kFullMask, my_w, two ? i + 1 : i);
-      uint4 v0[U], v1[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int idx = base + u * 32 + lane;
-        v0[u] = idx < nvec ? LdV4(r0 + idx) : make_uint4(0, 0, 0, 0);
-        v1[u] = (two && idx < nvec) ? LdV4(r1 + idx) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        AccumulateVec<TY, kHasW>(acc[u], v0[u], w0);
-        if (two) AccumulateVec<TY, kHasW>(acc[u], v1[u], w1);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < nvec) StNa(out + idx, Vec16<TY>::FromFloat(acc[u]));
-    }
-  }
-}
-
-// Start loading piece `off` (`piece` bytes, less at the row's end) of each
-// of the n rows lane i holds in my_row into the next slot, rows side by
-// side; -1 when n = 0. The rows' counts were acquired (gather).
-__device__ __forceinline__ int BulkPiece(const CombineWindow& w, int n, const char* my_row, uint32_t off,
-                                         BulkSlots& bulk, uint32_t piece) {
-  if (n == 0) return -1;
-  if (off == 0) FenceBeforeBulkRead();
-  const uint32_t b = min(piece, static_cast<uint32_t>(w.payload_bytes) - off);
-  const int s = bulk.Begin(b * static_cast<uint32_t>(n));
-  for (int i = 0; i < n; ++i) bulk.LoadPart(s, i * b, ShflPtr(my_row, i) + off, b);
-  return s;
-}
-
-// ReduceRows through shared memory: piece 0 of the n rows is loading into
-// `slot` (BulkPiece); while each piece is summed (same order and roundings
-// as ReduceRows) the next one loads into the other slot, and while the last
-// is summed, `prefetch()` starts the next token's first piece. n * piece
-// fits a slot.
-template <typename TY, bool kHasW, typename Prefetch>
-__device__ __forceinline__ void ReduceRowsBulk(const CombineWindow& w, int n, const char* my_row,
-                                               float my_w, char* out, BulkSlots& bulk, uint32_t piece,
-                                               int slot, Prefetch&& prefetch) {
-  constexpr int V = Vec16<TY>::N;
-  const int lane = LaneId();
-  const uint32_t row_bytes = static_cast<uint32_t>(w.payload_bytes);
-  const float init = n > 0 ? -0.f : 0.f;
-  if (n == 0) {
-    prefetch();
-    float zero[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) zero[e] = init;
-    for (uint32_t v = lane; v < row_bytes / 16; v += 32) StNa(reinterpret_cast<uint4*>(out) + v, Vec16<TY>::FromFloat(zero));
-    return;
-  }
-  int s = slot;
-  for (uint32_t off = 0; off < row_bytes; off += piece) {
-    const uint32_t b = min(piece, row_bytes - off);
-    int s_next = -1;
-    if (off + piece < row_bytes) s_next = BulkPiece(w, n, my_row, off + piece, bulk, piece);
-    else prefetch();
-    bulk.Wait(s);
-    const char* rows = bulk.Slot(s);
-    const int nv = static_cast<int>(b / 16);
-    // kSmemUnroll vectors per lane at a time: independent loads and sums,
-    // so few warps still keep the SM busy (8 per CTA at BF16 H = 7168).
-    for (int base = 0; base < nv; base += 32 * kSmemUnroll) {
-      float acc[kSmemUnroll][V];
-#pragma unroll
-      for (int u = 0; u < kSmemUnroll; ++u)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[u][e] = init;
-      for (int i = 0; i < n; ++i) {
-        const float wi = __shfl_sync(kFullMask, my_w, i);
-        const uint4* ri = reinterpret_cast<const uint4*>(rows + static_cast<size_t>(i) * b);
-        uint4 x[kSmemUnroll];
-#pragma unroll
-        for (int u = 0; u < kSmemUnroll; ++u) {
-          const int v = base + u * 32 + lane;
-          x[u] = v < nv ? ri[v] : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kSmemUnroll; ++u) AccumulateVec<TY, kHasW>(acc[u], x[u], wi);
-      }
-#pragma unroll
-      for (int u = 0; u < kSmemUnroll; ++u) {
-        const int v = base + u * 32 + lane;
-        if (v < nv) StNa(reinterpret_cast<uint4*>(out + off) + v, Vec16<TY>::FromFloat(acc[u]));
-      }
-    }
-    s = s_next;
-  }
-}
-
 // One kernel, two roles (as dispatch's data kernel):
 //  - CTAs [0, S) send every y row that belongs to another rank's token (and,
 //    in expert layout, this rank's own too) into the source's window slot
@@ -395,7 +268,7 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   if (threadIdx.x < kMaxRanks) s_sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     s_ok = FirstPeerNotOk(p, w.ok_off, CombineOkValue(CombineConfig(c, w))) < 0;
-    const uint64_t* sent = reinterpret_cast<const uint64_t*>(p.base[r] + w.sent_off);
+    const uint64_t* sent = reinterpret_cast<const uint64_t*>(PeerWindow(p, r) + w.sent_off);
     for (int j = 0; j < R; ++j) {
       const uint64_t word = LdU64Volatile(sent + j);
       // A peer that passed the barrier has announced for this epoch.
@@ -412,8 +285,8 @@ __device__ __forceinline__ void CombineData(const CombineCfg& c, const CombineWi
   __syncthreads();
   const bool ok = s_ok != 0;  // the same on every rank (start kernel)
   const int chunk = ChunkRows(c.T);  // of the source's positions (rank) / tokens (expert)
-  char* const lane_base = p.base[lane < R ? lane : 0];  // null for a GIN peer
-  char* const my = p.base[r];
+  char* const lane_base = PeerWindow(p, lane < R ? lane : 0);  // null for a GIN peer
+  char* const my = PeerWindow(p, r);
   const PeerTransport tr{p, my, chunk, {w.stage_off, w.recv_off, w.row_bytes, c.T, c.gin_rows}};
 
   if (!ok) {
@@ -754,7 +627,7 @@ CombineDataChoice CombineDataFor(bool has_w, uint32_t slot_bytes, uint32_t piece
 // holds a piece of each of a token's (at most R, resp. K) rows: the whole
 // rows where they fit (one rank), since the next token's first piece
 // loads while this token's last one is summed.
-// JAX_EP_BULK=0 keeps the register copies (debugging, comparison).
+// A build with JAX_EP_BULK_COPIES=OFF keeps the register copies (comparison).
 CombineDataChoice ChooseCombineData(const CombineArgs& a, const CombineWindow& w, int R) {
   const int max_rows = a.layout == EpLayout::kExpert ? a.topk : R;
   const size_t want_slot = std::max<size_t>(w.payload_bytes, 16 * static_cast<size_t>(max_rows));
@@ -827,7 +700,7 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   c.expert = a.layout == EpLayout::kExpert;
   c.has_w = a.weights != nullptr;
   const CombineWindow w(R, c.T, c.H, c.K, EpDtypeBytes(a.y_dtype), c.expert);
-  c.gin_rows = p.gin_mask != 0 ? GinChunkRows(c.T) : 0;
+  c.gin_rows = AnyGinPeer(p) ? GinChunkRows(c.T) : 0;
   CombineIO io{a.y, a.weights, a.topk_idx, a.pos_in_rank, a.recv_src_rank, a.recv_src_token,
                a.recv_src_k, a.recv_counts, a.out};
 
@@ -837,7 +710,11 @@ cudaError_t LaunchCombine(const CombineArgs& a, const EpPeers& p, cudaStream_t s
   if (k.smem > 0) {
     if (cudaError_t err = AllowBulkSmem(k.fn, k.smem); err != cudaSuccess) return err;
   }
-  CombineStartKernel<<<1 + (c.expert ? kCombineScanBlocks : 0), kStartThreads, 0, stream>>>(c, w, p, io);
+  // Expert layout: the scanners split the handle's rows among themselves,
+  // as many as the op's num_sms leaves beside the control block.
+  const int scanners = !c.expert ? 0 : a.num_sms > 0 ? std::max(1, std::min(kCombineScanBlocks, a.num_sms - 1))
+                                                     : kCombineScanBlocks;
+  CombineStartKernel<<<1 + scanners, kStartThreads, 0, stream>>>(c, w, p, io);
   int send_blocks = 0, recv_blocks = 0;
   // Reducers read two rows per token and write one: half of the CTAs.
   SplitDataBlocks(a.num_sms, a.recv_sms, c.T, k.threads / 32, R, 0.5, a.start, &send_blocks, &recv_blocks);

@@ -11,12 +11,18 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 8;
 
+// Number of LSA barriers the device communicator is created with (one per
+// CTA that synchronises with its peers' CTAs through it). Kernels launching
+// more CTAs than this must not use ncclLsaBarrierSession with blockIdx.x as
+// the index.
+constexpr int kLsaBarrierCount = 64;
+
 // Bytes at the start of every rank's window that belong to the runtime:
 // barrier flags (one 64-bit slot per source rank) and scratch counters.
 // Ops lay out their own data from kWindowHeaderBytes on.
 constexpr size_t kWindowHeaderBytes = 4096;
 constexpr size_t kBarrierFlagsOffset = 0;  // uint64_t[kMaxRanks]
-// JAX_EP_TRANSPORT=gin_emulated: the GIN signal counters that peers add to
+// Transport "gin_emulated": the GIN signal counters that peers add to
 // (gin.cuh), u64 per signal id, in the upper half of the header. A real GIN
 // keeps its signals inside NCCL, so nothing is written here then.
 constexpr size_t kGinEmuSignalsOffset = 2048;
@@ -77,7 +83,7 @@ struct EpPeers {
   unsigned long long timeout_ns;  // give up waiting on a peer after this
   uint32_t gin_mask;              // bit j: rank j is reached by GIN, base[j] is null
   const void* gin;                // GIN state (gin.cuh's GinComm), null without GIN
-  // JAX_EP_TRANSPORT=gin_emulated: rank j's window, mapped over NVLink, for
+  // Transport "gin_emulated": rank j's window, mapped over NVLink, for
   // gin.cuh's emulated puts alone (base[j] stays null for a GIN peer, so a
   // kernel that forgets to branch on gin_mask faults instead of passing).
   // All null otherwise.

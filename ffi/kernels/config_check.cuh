@@ -11,19 +11,20 @@
 // sender's rows have moved by the time its receiver sees the digest.
 // On a difference the op reports Cause::kConfigMismatch (detail: the peer)
 // and leaves both records next to the status word (kStatusReportOffset),
-// where the host reads them to name the values (comm.cc ConfigMismatchDetail).
+// where the host reads them to name the values (runtime/status.cc ConfigMismatchDetail).
 #pragma once
 
 #include <cstdint>
 
 #include "common.cuh"
 #include "ep_copy.cuh"
+#include "peer.cuh"
 
 namespace jax_ep {
 
 // One rank's call: `tag` = which call of the op (the epoch of its first
 // barrier, or a low-latency sequence number; low 32 bits), `op`, then the
-// fields the peers must share (unused ones 0; comm.cc names them per op).
+// fields the peers must share (unused ones 0; runtime/status.cc names them per op).
 struct OpConfig {
   uint32_t tag = 0, op = 0;
   uint32_t v[kOpConfigFields] = {};
@@ -84,7 +85,7 @@ __device__ __forceinline__ uint32_t FormatWord(uint32_t elem_bytes, bool fp8, bo
 }
 
 __device__ __forceinline__ OpConfig* ConfigSlot(const EpPeers& p, int rank) {
-  return reinterpret_cast<OpConfig*>(p.base[rank] + kOpConfigOffset);
+  return reinterpret_cast<OpConfig*>(PeerWindow(p, rank) + kOpConfigOffset);
 }
 
 // Thread 0, before the op's first barrier (whose release makes it visible)
@@ -104,7 +105,7 @@ __device__ inline void PublishConfig(const EpPeers& p, OpConfig c, uint32_t tag)
 __device__ inline OpConfig ReadConfig(const EpPeers& p, int j, bool* torn) {
   OpConfig theirs;
   *torn = false;
-  if (p.base[j] == nullptr) return theirs;
+  if (PeerWindow(p, j) == nullptr) return theirs;
   const volatile uint32_t* src = reinterpret_cast<const volatile uint32_t*>(ConfigSlot(p, j));
   uint32_t* dst = reinterpret_cast<uint32_t*>(&theirs);
   for (int i = 0; i < static_cast<int>(sizeof(OpConfig) / 4); ++i) dst[i] = src[i];
@@ -140,7 +141,7 @@ __device__ inline bool PeersShareConfig(const EpPeers& p, Op op) {
   const OpConfig* mine = ConfigSlot(p, p.rank);
   const uint32_t tag = mine->tag;
   for (int j = 0; j < p.nranks; ++j) {
-    if (j == p.rank || ((p.gin_mask >> j) & 1u)) continue;
+    if (j == p.rank || ReachedByGin(p, j)) continue;
     bool torn = false;
     const OpConfig theirs = ReadConfig(p, j, &torn);
     if (torn || static_cast<int32_t>(theirs.tag - tag) > 0) continue;

@@ -11,6 +11,7 @@
 #include "engram.cuh"
 #include "ep_copy.cuh"
 #include "kernel_load.h"
+#include "peer.cuh"
 
 #include <algorithm>
 
@@ -86,8 +87,8 @@ __global__ void __launch_bounds__(kFetchThreads)
     EngramFetchKernel(const __grid_constant__ EngramFetchArgs a, const __grid_constant__ EpPeers p) {
   // Peer window bases in shared memory, so the per-item owner lookup is a
   // shared load rather than a divergent constant-bank read.
-  __shared__ const char* s_base[kMaxRanks];
-  if (threadIdx.x < kMaxRanks) s_base[threadIdx.x] = p.base[threadIdx.x];
+  __shared__ const char* s_window[kMaxRanks];
+  if (threadIdx.x < kMaxRanks) s_window[threadIdx.x] = PeerWindow(p, threadIdx.x);
   __syncthreads();
   // The handler guarantees num_rows * row_bytes < 2^31: 32-bit item math.
   const uint32_t vpr = static_cast<uint32_t>(a.row_bytes / 16);   // 16-byte chunks per row
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kFetchThreads)
           }
           const uint32_t local = static_cast<uint32_t>(id) - owner * rpr;
           const uint32_t chunk = q - row[u] * vpr;
-          const uint4* src = reinterpret_cast<const uint4*>(s_base[owner] + a.table_off +
+          const uint4* src = reinterpret_cast<const uint4*>(s_window[owner] + a.table_off +
                                                            static_cast<size_t>(local) * a.row_bytes) + chunk;
           v[u] = LdNcNa(src);
         } else if (id != -1) {
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kFetchThreads)
       if (idx >= 0 && static_cast<uint64_t>(idx) < V) {
         const int owner = static_cast<int>(static_cast<uint64_t>(idx) / a.rows_per_rank);
         const uint64_t local = static_cast<uint64_t>(idx) - static_cast<uint64_t>(owner) * a.rows_per_rank;
-        b = s_base[owner][a.table_off + local * a.row_bytes + byte];
+        b = s_window[owner][a.table_off + local * a.row_bytes + byte];
       } else if (idx != -1) {
         bad = true;
       }
@@ -198,7 +199,7 @@ cudaError_t LaunchEngramPublish(const EngramPublishArgs& a, const EpPeers& p, cu
     // of GPU time per 134 MB against the copy engine's 71 (1 x H200,
     // benchmarks/RESULTS.md, 2026-12-01). After a failed first barrier the
     // copy still runs; the token reports it.
-    cudaError_t err = cudaMemcpyAsync(p.base[p.rank] + a.table_off, a.table, a.table_bytes,
+    cudaError_t err = cudaMemcpyAsync(MyWindow(p) + a.table_off, a.table, a.table_bytes,
                                       cudaMemcpyDeviceToDevice, stream);
     if (err != cudaSuccess) return err;
   }

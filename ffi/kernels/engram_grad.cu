@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kGradThreads)
 }  // namespace
 
 cudaError_t LaunchOrderedRowSum(const int32_t* rows, const int32_t* order, const float* d, int64_t n,
-                                int D, int32_t v_l, float* g, cudaStream_t stream) {
+                                int D, int32_t v_l, float* g, int num_sms, cudaStream_t stream) {
   if (cudaError_t err = cudaMemsetAsync(g, 0, sizeof(float) * static_cast<size_t>(v_l) * D, stream);
       err != cudaSuccess) {
     return err;
@@ -50,8 +50,9 @@ cudaError_t LaunchOrderedRowSum(const int32_t* rows, const int32_t* order, const
   if (n == 0 || D == 0) return cudaSuccess;
   // A warp per (entry, column block) at most (most entries start no run).
   const int64_t tasks = n * ((D + 31) / 32);
+  const int64_t cap = num_sms > 0 ? num_sms : 4096;  // the warps stride over the tasks
   const int blocks = static_cast<int>(
-      std::min<int64_t>((tasks + kGradThreads / 32 - 1) / (kGradThreads / 32), 4096));
+      std::min<int64_t>((tasks + kGradThreads / 32 - 1) / (kGradThreads / 32), cap));
   OrderedRowSumKernel<<<blocks, kGradThreads, 0, stream>>>(rows, order, d, n, D, v_l, g);
   return cudaGetLastError();
 }

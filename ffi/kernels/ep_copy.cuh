@@ -10,6 +10,7 @@
 #include "barrier.cuh"
 #include "common.cuh"
 #include "gin.cuh"
+#include "peer.cuh"
 #include "window_layout.h"
 
 namespace jax_ep {
@@ -117,12 +118,12 @@ __device__ __forceinline__ int NthSetBit(unsigned mask, int n) {
 // barrier; the caller fences (__threadfence_system) before the barrier.
 __device__ inline void PutControlWord(const EpPeers& p, int j, size_t off, size_t stage_off,
                                       uint64_t word, Op op) {
-  if ((p.gin_mask >> j) & 1u) {
-    StU64Volatile(reinterpret_cast<uint64_t*>(p.base[p.rank] + stage_off), word);
+  if (ReachedByGin(p, j)) {
+    StU64Volatile(reinterpret_cast<uint64_t*>(MyWindow(p) + stage_off), word);
     __threadfence();
     GinPutQuiet(p, op, j, off, stage_off, sizeof(uint64_t), GinSignalId(p.rank, kGinControlChannel));
   } else {
-    StU64Volatile(reinterpret_cast<uint64_t*>(p.base[j] + off), word);
+    StU64Volatile(reinterpret_cast<uint64_t*>(PeerWindow(p, j) + off), word);
   }
 }
 
@@ -136,7 +137,7 @@ __device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool
   const uint64_t tag = *p.epoch + 1;  // the epoch rank_barrier is about to use
   const uint64_t word = MakeTagged(tag, ok ? ok_value : 0u);
   const size_t slot = ok_off + sizeof(uint64_t) * p.rank;
-  StU64Volatile(reinterpret_cast<uint64_t*>(p.base[p.rank] + slot), word);
+  StU64Volatile(reinterpret_cast<uint64_t*>(MyWindow(p) + slot), word);
   for (int j = 0; j < p.nranks; ++j)
     if (j != p.rank) PutControlWord(p, j, slot, slot, word, op);
   __threadfence_system();
@@ -153,7 +154,7 @@ __device__ __forceinline__ uint32_t* ChunkCounter(char* owner_base, int src, int
 // Zero the counters that sources may use in this op (n chunks each). The
 // caller fences and passes a rank barrier before any peer adds again.
 __device__ inline void ZeroChunkCounters(const EpPeers& p, int n) {
-  uint32_t* c0 = ChunkCounter(p.base[p.rank], 0, 0);
+  uint32_t* c0 = ChunkCounter(MyWindow(p), 0, 0);
   for (int i = threadIdx.x; i < p.nranks * kChunksPerSource; i += blockDim.x) {
     if (i % kChunksPerSource < n) c0[i] = 0u;
   }
@@ -229,7 +230,7 @@ __device__ inline bool WaitChunk(const EpPeers& p, const uint32_t* counter, uint
 // did not. One thread.
 __device__ inline int FirstPeerNotOk(const EpPeers& p, size_t ok_off, uint32_t ok_value) {
   const uint64_t tag = *p.epoch;
-  const uint64_t* slots = reinterpret_cast<const uint64_t*>(p.base[p.rank] + ok_off);
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(MyWindow(p) + ok_off);
   for (int s = 0; s < p.nranks; ++s) {
     const uint64_t w = LdU64Volatile(slots + s);
     if (!TagMatches(w, tag) || static_cast<uint32_t>(w) != ok_value) return s;

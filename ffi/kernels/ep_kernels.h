@@ -25,24 +25,10 @@
 
 namespace jax_ep {
 
-// Splits the data kernel's CTAs (ChooseNumBlocks) into senders and
-// receivers (dispatch) / reducers (combine): `recv_requested` of them
-// (the op's recv_sms argument) if > 0, else JAX_EP_RECV_SMS (debugging, read
-// once) if set, else `recv_share` of them. `beside_compute`: the op runs on
-// the side stream next to compute it is meant to overlap (a *_start).
-void SplitDataBlocks(int requested, int recv_requested, int work_items, int warps_per_block,
-                     int num_ranks, double recv_share, bool beside_compute, int* send_blocks,
-                     int* recv_blocks);
-
 enum class EpLayout : int { kRank = 0, kExpert = 1 };
 enum class EpDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2, kFp8E4m3 = 3 };
 
 int EpDtypeBytes(EpDtype d);
-// Whether the normal dispatch / combine may move rows by bulk (TMA) copies
-// (kernels/bulk_copy.cuh); JAX_EP_BULK=0, read once per process, keeps the
-// register copies (debugging and comparison).
-bool BulkCopiesEnabled();
-
 struct DispatchArgs {
   // Inputs (this rank's tokens).
   const void* x = nullptr;             // [T, H] of x_dtype
@@ -59,8 +45,8 @@ struct DispatchArgs {
   int capacity = 0;                    // C >= 1
   int expert_alignment = 1;
   EpLayout layout = EpLayout::kRank;
-  int num_sms = 0;                     // CTAs of the data kernels; 0 = model / env
-  int recv_sms = 0;                    // of them receiving; 0 = model / env
+  int num_sms = 0;                     // CTAs of each kernel, at most; 0 = the bandwidth model
+  int recv_sms = 0;                    // of the data kernel's, receiving; 0 = the model's share
   bool start = false;                  // dispatch_start: on the side stream, beside compute
   // Outputs.
   void* recv_x = nullptr;              // [C, H] (e4m3 when FP8)
@@ -91,8 +77,8 @@ struct CombineArgs {
   int num_experts = 0;                    // E
   int capacity = 0;                       // C
   EpLayout layout = EpLayout::kRank;
-  int num_sms = 0;
-  int recv_sms = 0;                       // reducers among num_sms; 0 = model / env
+  int num_sms = 0;                        // CTAs of each kernel, at most; 0 = the bandwidth model
+  int recv_sms = 0;                       // reducers among num_sms; 0 = the model's share
   bool start = false;                     // combine_start: on the side stream, beside compute
   void* out = nullptr;                    // [T, H] of y_dtype
 };
@@ -116,9 +102,5 @@ size_t DispatchWindowBytes(int R, int T, int H, int K, int E, EpDtype payload, b
 // What one dispatch writes, from the window base (ValidateDispatch's need).
 size_t DispatchWindowNeed(const DispatchArgs& a, int R);
 size_t CombineWindowBytes(int R, int T, int H, int K, EpDtype y, EpLayout layout);
-
-// CTAs for the data-moving kernels, from a bandwidth model (see dispatch.cu);
-// `requested` > 0 or env JAX_EP_NUM_SMS override it.
-int ChooseNumBlocks(int requested, int work_items, int warps_per_block, int num_ranks, bool beside_compute);
 
 }  // namespace jax_ep

@@ -88,12 +88,10 @@ __device__ __forceinline__ void StoreTransposed(const uint32_t (*tile)[kPadWords
 // w's own orientation (q_kn, for the data gradient) and transposed (q_nk,
 // for the forward product).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) CastWeightBlocks(const T* w, int64_t H, int64_t F,
-                                                             uint8_t* q_nk, uint8_t* q_kn,
-                                                             float* scales) {
-  __shared__ uint32_t tile[kTile][kPadWords];
-  __shared__ float warp_max[kThreads / 32];
-  const int fb = blockIdx.x, hb = blockIdx.y, g = blockIdx.z;
+__device__ __forceinline__ void CastWeightBlock(const T* w, int64_t H, int64_t F, uint8_t* q_nk,
+                                                uint8_t* q_kn, float* scales, int fb, int hb,
+                                                int64_t g, uint32_t (*tile)[kPadWords],
+                                                float* warp_max) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t base = g * H * F + (hb * kTile) * F + fb * kTile;
   float v[4][16];
@@ -134,6 +132,22 @@ __global__ void __launch_bounds__(kThreads) CastWeightBlocks(const T* w, int64_t
   StoreTransposed(tile, q_nk + g * F * H + (fb * kTile) * H + hb * kTile, H);
 }
 
+// The blocks of every group, a CTA per block or, with fewer CTAs (the op's
+// num_sms), each CTA taking every gridDim.x-th block.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) CastWeightBlocks(const T* w, int64_t groups,
+                                                             int64_t H, int64_t F, uint8_t* q_nk,
+                                                             uint8_t* q_kn, float* scales) {
+  __shared__ uint32_t tile[kTile][kPadWords];
+  __shared__ float warp_max[kThreads / 32];
+  const int64_t nf = F / kTile, nh = H / kTile;
+  for (int64_t b = blockIdx.x; b < groups * nh * nf; b += gridDim.x) {
+    CastWeightBlock(w, H, F, q_nk, q_kn, scales, static_cast<int>(b % nf),
+                    static_cast<int>(b / nf % nh), b / (nf * nh), tile, warp_max);
+    __syncthreads();  // the next block reuses `tile` and `warp_max`
+  }
+}
+
 // One (128-token chunk, 128 channels) tile of x [M, C]: the chunk's rows
 // are x[src, src + n) (rows past n are zeros), its scales one per channel
 // over those tokens, its e4m3 bytes written transposed into qT [C, P] at
@@ -164,11 +178,10 @@ struct Raw16 {
 // columns [128 c, 128 c + 128). The tile stays in registers as loaded and
 // is widened twice (amax, cast), so that three tiles fit an SM.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
-    CastTokenChunks(const T* x, int64_t C, int64_t P, const int32_t* chunk_src,
-                    const int32_t* chunk_rows, uint8_t* qt, float* scales) {
-  __shared__ uint32_t tile[kTile][kPadWords];
-  const int chunk = blockIdx.x, cb = blockIdx.y;
+__device__ __forceinline__ void CastTokenChunk(const T* x, int64_t C, int64_t P,
+                                               const int32_t* chunk_src, const int32_t* chunk_rows,
+                                               uint8_t* qt, float* scales, int chunk, int cb,
+                                               uint32_t (*tile)[kPadWords]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int src = chunk_src[chunk];
   int n = chunk_rows[chunk];
@@ -217,28 +230,49 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
   StoreTransposed(tile, qt + (cb * kTile) * P + static_cast<int64_t>(chunk) * kTile, P);
 }
 
+// Every (chunk, 128 channels) tile, a CTA per tile or, with fewer CTAs (the
+// op's num_sms), each CTA taking every gridDim.x-th tile.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
+    CastTokenChunks(const T* x, int64_t C, int64_t P, const int32_t* chunk_src,
+                    const int32_t* chunk_rows, uint8_t* qt, float* scales) {
+  __shared__ uint32_t tile[kTile][kPadWords];
+  const int64_t nc = P / kTile;
+  for (int64_t b = blockIdx.x; b < nc * (C / kTile); b += gridDim.x) {
+    CastTokenChunk(x, C, P, chunk_src, chunk_rows, qt, scales, static_cast<int>(b % nc),
+                   static_cast<int>(b / nc), tile);
+    __syncthreads();  // the next tile reuses `tile`
+  }
+}
+
+// A CTA per tile, or `num_sms` > 0 of them at most.
+int CastBlocks(int64_t tiles, int num_sms) {
+  const int64_t cap = num_sms > 0 ? num_sms : int64_t{1} << 30;
+  return static_cast<int>(tiles < cap ? tiles : cap);
+}
+
 }  // namespace
 
 const char* LaunchCastWeightsFp8(const void* w, bool f32, int64_t groups, int64_t h, int64_t f,
-                                 uint8_t* q_nk, uint8_t* q_kn, float* scales,
+                                 uint8_t* q_nk, uint8_t* q_kn, float* scales, int num_sms,
                                  cudaStream_t stream) {
-  if (groups == 0) return nullptr;
-  dim3 grid(f / kTile, h / kTile, groups);
+  if (groups == 0 || h == 0 || f == 0) return nullptr;
+  const int grid = CastBlocks(groups * (h / kTile) * (f / kTile), num_sms);
   if (f32) {
-    CastWeightBlocks<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(w), h, f,
-                                                           q_nk, q_kn, scales);
+    CastWeightBlocks<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(w), groups,
+                                                           h, f, q_nk, q_kn, scales);
   } else {
     CastWeightBlocks<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(w), h, f, q_nk, q_kn, scales);
+        static_cast<const __nv_bfloat16*>(w), groups, h, f, q_nk, q_kn, scales);
   }
   return cudaGetLastError() == cudaSuccess ? nullptr : "FP8 weight cast launch failed";
 }
 
 const char* LaunchCastTokensFp8(const void* x, bool f32, int64_t c, int64_t p,
                                 const int32_t* chunk_src, const int32_t* chunk_rows, uint8_t* qt,
-                                float* scales, cudaStream_t stream) {
+                                float* scales, int num_sms, cudaStream_t stream) {
   if (p == 0 || c == 0) return nullptr;
-  dim3 grid(p / kTile, c / kTile);
+  const int grid = CastBlocks((p / kTile) * (c / kTile), num_sms);
   if (f32) {
     CastTokenChunks<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), c, p,
                                                           chunk_src, chunk_rows, qt, scales);

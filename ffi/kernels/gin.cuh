@@ -1,7 +1,7 @@
 // GIN (GPU-initiated RDMA through a network card): the device side of the
 // transport that reaches EP peers outside this rank's NVLink (LSA) team.
 //
-// Emulation (EpPeers::gin_emulated, JAX_EP_TRANSPORT=gin_emulated): the same
+// Emulation (EpPeers::gin_emulated, transport "gin_emulated"): the same
 // helpers carry out puts and signals with NVLink loads/stores through
 // EpPeers::gin_emu, with the ordering a real GIN gives (a signal is added
 // only after its put's bytes, and every earlier put's, are visible at the

@@ -6,7 +6,7 @@
 // arrives; when the same thread is the one that would launch that peer
 // (virtual ranks, ffi/testing/loopback.cc; one host thread driving several
 // GPUs), it deadlocks until the timeout (2026-12-03: 9 timeouts). So the
-// Communicator (ffi/comm.cc) and the loopback harness load all of them on
+// Communicator (ffi/runtime/comm.cc) and the loopback harness load all of them on
 // each device they set up, before any op can wait (docs/design.md §8).
 #pragma once
 
@@ -27,6 +27,7 @@ inline cudaError_t LoadEach(Kernels... kernels) {
 // every variant a launcher can pick must be listed there
 // (tests/test_kernel_load.py checks the names and written-out instances).
 cudaError_t LoadLayoutKernels();       // layout.cu
+cudaError_t LoadDispatchSetupKernels();  // dispatch_setup.cu
 cudaError_t LoadDispatchKernels();     // dispatch.cu
 cudaError_t LoadCombineKernels();      // combine.cu
 cudaError_t LoadLowLatencyKernels();   // low_latency.cu
@@ -34,7 +35,7 @@ cudaError_t LoadEngramKernels();       // engram.cu
 cudaError_t LoadAbortKernels();        // abort.cu
 
 inline cudaError_t LoadCommKernels() {
-  for (auto load : {LoadLayoutKernels, LoadDispatchKernels, LoadCombineKernels, LoadLowLatencyKernels,
+  for (auto load : {LoadLayoutKernels, LoadDispatchSetupKernels, LoadDispatchKernels, LoadCombineKernels, LoadLowLatencyKernels,
                     LoadEngramKernels, LoadAbortKernels}) {
     if (cudaError_t err = load(); err != cudaSuccess) return err;
   }

@@ -14,6 +14,7 @@
 #include "fp8.cuh"
 #include "kernel_load.h"
 #include "low_latency.cuh"
+#include "peer.cuh"
 
 namespace jax_ep {
 namespace {
@@ -159,7 +160,7 @@ __device__ void BeginSend(const EpPeers& p, Op op, const LlLayout& L, unsigned l
       s_ok = rank_barrier(p, op);
     }
     __syncthreads();
-    char* mine = p.base[p.rank];
+    char* mine = MyWindow(p);
     const size_t counts = static_cast<size_t>(L.E_l) * L.R;
     for (int b = 0; b < 2; ++b) {
       uint64_t* cw = reinterpret_cast<uint64_t*>(mine + L.DispCounts(b));
@@ -349,8 +350,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
           if (slot < M) {
             const int d = id / E_l, l = id - d * E_l;
             const size_t cell = (static_cast<size_t>(l) * R + p.rank) * M + slot;
-            lane_row = p.base[d] + L.DispRows(b) + cell * L.row_bytes;
-            if (part == 0) *reinterpret_cast<int32_t*>(p.base[d] + L.DispMeta(b) + cell * 4) = q;
+            lane_row = PeerWindow(p, d) + L.DispRows(b) + cell * L.row_bytes;
+            if (part == 0) *reinterpret_cast<int32_t*>(PeerWindow(p, d) + L.DispMeta(b) + cell * 4) = q;
             ok = true;
           } else {
             overflow = part == 0;
@@ -402,7 +403,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       for (int e = threadIdx.x; e < E; e += blockDim.x) {
         const int d = e / E_l, l = e - d * E_l;
         const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
-        uint64_t* word = reinterpret_cast<uint64_t*>(p.base[d] + L.DispCounts(b)) +
+        uint64_t* word = reinterpret_cast<uint64_t*>(PeerWindow(p, d) + L.DispCounts(b)) +
                          static_cast<size_t>(l) * R + p.rank;
         StReleaseSys(word, MakeTagged(seq, LlWordValue(mine, rows)));
       }
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   const int m_all = R * M;
   for (int l = blockIdx.x; l < E_l; l += gridDim.x) {
     if (threadIdx.x < R) {
-      const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.DispCounts(b)) +
+      const uint64_t* word = reinterpret_cast<const uint64_t*>(MyWindow(p) + L.DispCounts(b)) +
                              static_cast<size_t>(l) * R + threadIdx.x;
       int64_t n = WaitTagged(p, Op::kLowLatencyDispatch, word, seq, threadIdx.x, mine);
       if (n == kWaitMismatch) atomicOr(&s_mismatch, 1u << threadIdx.x);
@@ -451,7 +452,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         int s = 0;
         while (i >= s_off[s + 1]) ++s;
         const size_t cell = (static_cast<size_t>(l) * R + s) * M + (i - s_off[s]);
-        const int32_t q = LdCgI32(reinterpret_cast<const int32_t*>(p.base[p.rank] + L.DispMeta(b)) + cell);
+        const int32_t q = LdCgI32(reinterpret_cast<const int32_t*>(MyWindow(p) + L.DispMeta(b)) + cell);
         entry = s * TK + q;
       }
       a.src_entry[static_cast<size_t>(l) * m_all + i] = entry;
@@ -466,7 +467,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
       int s = 0;
       while (i >= s_off[s + 1]) ++s;
       const size_t cell = (static_cast<size_t>(l) * R + s) * M + (i - s_off[s]);
-      const char* src = p.base[p.rank] + L.DispRows(b) + cell * L.row_bytes;
+      const char* src = MyWindow(p) + L.DispRows(b) + cell * L.row_bytes;
       const size_t out_row = static_cast<size_t>(l) * m_all + i;
       const uint4* sv = reinterpret_cast<const uint4*>(src);
       uint4* dv = reinterpret_cast<uint4*>(static_cast<char*>(a.recv_x) + out_row * rvec * 16);
@@ -529,7 +530,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         continue;
       }
       const int s = entry / TK, q = entry - s * TK;
-      char* const slot = p.base[s] + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes;
+      char* const slot = PeerWindow(p, s) + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes;
       if (kPart == LlPart::kFused && s == p.rank) {
         // This rank's own token: its reduce below reads the row straight
         // from y (this kernel's input), so only the row's place goes into
@@ -555,7 +556,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     // 2. One flag per source rank, after every CTA's rows.
     AllSent(p, Op::kLowLatencyCombine, ctr + kLlCombineSentCounter);
     if (blockIdx.x == 0 && threadIdx.x < R) {
-      uint64_t* word = reinterpret_cast<uint64_t*>(p.base[threadIdx.x] + L.CombFlags(b)) + p.rank;
+      uint64_t* word = reinterpret_cast<uint64_t*>(PeerWindow(p, threadIdx.x) + L.CombFlags(b)) + p.rank;
       StReleaseSys(word, MakeTagged(seq, LlWordValue(mine, 1u)));
     }
   }
@@ -573,7 +574,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   if (threadIdx.x == 0) s_mismatch = 0, s_failed = 0;
   __syncthreads();
   if (threadIdx.x < R) {
-    const uint64_t* word = reinterpret_cast<const uint64_t*>(p.base[p.rank] + L.CombFlags(b)) + threadIdx.x;
+    const uint64_t* word = reinterpret_cast<const uint64_t*>(MyWindow(p) + L.CombFlags(b)) + threadIdx.x;
     const int64_t n = WaitTagged(p, Op::kLowLatencyCombine, word, seq, threadIdx.x, mine);
     if (n == kWaitMismatch) atomicOr(&s_mismatch, 1u << threadIdx.x);
     if (n < 0) s_failed = 1;
@@ -589,7 +590,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
   // window slot, or (fused kernel, an expert of this rank) its row of y.
   __shared__ const char* s_row[kLlWarps][32];
   __shared__ float s_w[kLlWarps][32];
-  const char* slots = p.base[p.rank] + L.CombRows(b);
+  const char* slots = MyWindow(p) + L.CombRows(b);
   bool bad_local = false;
   const RowSlices rs(T, nw, nvec);
   for (int task = gw; task < T * rs.per_row; task += nw) {
@@ -699,7 +700,7 @@ size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes) {
 }
 
 std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
-  if (p.gin_mask != 0) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
+  if (AnyGinPeer(p)) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
   if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
   if (a.max_tokens < 1 || a.max_tokens > kLlMaxTokens || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
@@ -719,7 +720,7 @@ std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
 }
 
 std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
-  if (p.gin_mask != 0) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
+  if (AnyGinPeer(p)) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
   if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
   if (a.max_tokens < 1 || a.max_tokens > kLlMaxTokens || a.num_tokens < 0 || a.num_tokens > a.max_tokens)

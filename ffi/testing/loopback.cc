@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "comm.h"
+#include "runtime/comm.h"
 #include "kernels/abort.h"
 #include "kernels/engram.cuh"
 #include "kernels/engram_layout.h"

@@ -8,7 +8,7 @@
 
 #include <algorithm>
 
-#include "comm.h"
+#include "kernels/peer.cuh"
 
 namespace jax_ep {
 namespace {
@@ -83,11 +83,11 @@ __global__ void __launch_bounds__(kProbeThreads)
   ncclLsaBarrierSession<ncclCoopCta> bar(cta, devcomm, ncclTeamTagLsa(), blockIdx.x);
   if (!BoundedLsaSync(bar, cta, p)) return;
   for (int j = 0; j < p.nranks; ++j) {
-    char* dst = p.base[j] + kWindowHeaderBytes + static_cast<size_t>(p.rank) * slot;
+    char* dst = PeerWindow(p, j) + kWindowHeaderBytes + static_cast<size_t>(p.rank) * slot;
     CopyRange(dst, a.x + static_cast<size_t>(j) * a.row_bytes, lo, hi, vec);
   }
   if (!BoundedLsaSync(bar, cta, p)) return;
-  const char* mine = p.base[p.rank] + kWindowHeaderBytes;
+  const char* mine = MyWindow(p) + kWindowHeaderBytes;
   for (int s = 0; s < p.nranks; ++s) {
     CopyRange(a.out + static_cast<size_t>(s) * a.row_bytes, mine + static_cast<size_t>(s) * slot,
               lo, hi, vec);

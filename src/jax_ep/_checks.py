@@ -85,15 +85,29 @@ def check_positive(name: str, value, *, allow_none: bool = False) -> None:
     raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def check_sms(num_sms, recv_sms) -> tuple[int, int]:
-  """The data kernels' CTA counts as (num_sms, recv_sms), 0 meaning the
-  bandwidth model's choice; raises ValueError naming a bad one."""
-  for name, v in (("num_sms", num_sms), ("recv_sms", recv_sms)):
-    if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
-      raise ValueError(f"{name} must be None (the model's choice) or an int >= 1, got {v!r}")
-  if num_sms is not None and recv_sms is not None and recv_sms >= num_sms:
-    raise ValueError(f"recv_sms ({recv_sms}) must be below num_sms ({num_sms}): some CTAs send")
-  return int(num_sms or 0), int(recv_sms or 0)
+def check_sms(num_sms) -> int:
+  """num_sms as the kernels' attribute, the same on every op that launches
+  work: 0 (or None) is the op's analytic default, n >= 1 at most n SMs.
+  Raises ValueError naming a bad one."""
+  return _sm_count("num_sms", num_sms)
+
+
+def check_recv_sms(recv_sms, num_sms: int) -> int:
+  """recv_sms (of dispatch / combine: how many of the num_sms CTAs receive
+  or reduce) as the kernels' attribute, 0 (or None) the model's share."""
+  q = _sm_count("recv_sms", recv_sms)
+  if num_sms and q and q >= num_sms:
+    raise ValueError(f"recv_sms ({q}) must be below num_sms ({num_sms}): some CTAs send")
+  return q
+
+
+def _sm_count(name: str, v) -> int:
+  if v is None:
+    return 0
+  if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+    raise ValueError(f"{name} must be an int >= 0 (0 or None: the op's default; n: at most n "
+                     f"SMs), got {v!r}")
+  return int(v)
 
 
 def raise_if(bad: jax.Array, message, *details: jax.Array, axis_name: str, carry: Any = (),

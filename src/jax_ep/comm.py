@@ -26,10 +26,10 @@ from jax.sharding import Mesh
 
 from jax_ep import _native
 from jax_ep._checks import EpRuntimeError
+from jax_ep._window import GRANULE as _GRANULE
+from jax_ep._window import get_buffer_size_hint  # noqa: F401  (jax_ep.get_buffer_size_hint)
+from jax_ep._window import round_up as _round_up
 
-# NCCL's symmetric windows come in 2 MiB granules.
-_GRANULE = 2 << 20
-_HEADER_BYTES = _native.WINDOW_HEADER_BYTES
 MIN_NUM_BYTES = _GRANULE
 DEFAULT_NUM_BYTES = 1 << 30
 MAX_RANKS = _native.MAX_RANKS
@@ -38,55 +38,6 @@ TRANSPORTS = ("auto", "gin", "gin_emulated")  # Communicator.create(transport=..
 _registry_lock = threading.Lock()
 _defaults: dict[str, "Communicator"] = {}
 _create_seq = itertools.count()
-
-
-def _round_up(n: int, m: int) -> int:
-  return (n + m - 1) // m * m
-
-
-def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
-                         num_experts: int, dtype_bytes: int = 2,
-                         low_latency: bool = False, engram_tables=()) -> int:
-  """Window bytes per rank that the ops need for a config.
-
-  Normal mode: exactly what the dispatch/combine kernels lay out
-  (`_ffi_dispatch.window_bytes_needed`, the mirror of
-  ffi/kernels/window_layout.h). Low-latency mode (tokens_per_rank =
-  max_tokens): what the low-latency kernels lay out
-  (`_ffi_low_latency.window_bytes_needed`, the mirror of
-  ffi/kernels/low_latency.cuh: two buffers of [E_l, R, max_tokens] rows and
-  the combine's [max_tokens, K] rows); a program that also runs the normal
-  ops passes their need as the low-latency ops' `reserved_bytes` and adds
-  the two. Rounded up to NCCL's 2 MiB granule; includes the 4 KiB runtime
-  header.
-
-  engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
-  will be published side by side (engram_publish(..., above=...)) in the
-  same window: they sit at its end, each rounded up to 256 bytes plus 256
-  bytes of slack, as engram_publish stacks them.
-  """
-  for name, v in (("num_ranks", num_ranks), ("tokens_per_rank", tokens_per_rank),
-                  ("hidden", hidden), ("topk", topk), ("num_experts", num_experts),
-                  ("dtype_bytes", dtype_bytes)):
-    if v < (0 if name == "tokens_per_rank" else 1):
-      raise ValueError(f"{name} must be positive, got {v}")
-  r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
-  out_bytes = max(dtype_bytes, 2)  # combine moves bf16 or wider
-  if engram_tables:
-    from jax_ep._ffi_engram import table_bytes
-    tables = sum(-(-table_bytes(rows_per_rank=v, dim=d, dtype=dt) // 256) * 256 + 256
-                 for v, d, dt in engram_tables)
-    base = get_buffer_size_hint(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k,
-                                num_experts=e, dtype_bytes=dtype_bytes, low_latency=low_latency)
-    return _round_up(base + tables, _GRANULE)
-  if low_latency:
-    from jax_ep._ffi_low_latency import window_bytes_needed as ll_kernel_bytes
-    kernels = ll_kernel_bytes(num_ranks=r, max_tokens=t, hidden=h, topk=k, num_experts=e)
-    return _round_up(kernels, _GRANULE)
-  from jax_ep._ffi_dispatch import window_bytes_needed
-  need = window_bytes_needed(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
-                             x_bytes=dtype_bytes, y_bytes=out_bytes)
-  return _round_up(need, _GRANULE)
 
 
 def current(axis_name: str) -> Optional["Communicator"]:
@@ -148,7 +99,7 @@ class Communicator:
   @classmethod
   def create(cls, mesh: Mesh, axis_name: str = "ep", num_bytes: Optional[int] = None, *,
              timeout_s: float = 10.0, checked: bool = False,
-             replace: bool = False, transport: Optional[str] = None) -> "Communicator":
+             replace: bool = False, transport: str = "auto") -> "Communicator":
     """Creates the communicators for every EP group of `mesh` along
     `axis_name` that has a device in this process, and makes the result the
     one the ops of `axis_name` use (`current(axis_name)`).
@@ -173,10 +124,9 @@ class Communicator:
         load/store inside NCCL's LSA team, GIN RDMA beyond it), "gin" (every
         remote peer over GIN, to test that path; needs a NIC) or
         "gin_emulated" (the GIN code path carried over NVLink, to test it on
-        one host). None: the JAX_EP_TRANSPORT environment variable if set
-        (debugging), else "auto".
+        one host). Every process of a group must pass the same.
     """
-    if transport is not None and transport not in TRANSPORTS:
+    if transport not in TRANSPORTS:
       raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
     if axis_name not in mesh.axis_names:
       raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
@@ -224,7 +174,7 @@ class Communicator:
       specs.append((uid, num_ranks, ranks, ordinals))
     _native.ensure_registered()
     comm_id = _native.module().comm_create_groups(specs, num_bytes, float(timeout_s),
-                                                  bool(checked), transport or "")
+                                                  bool(checked), transport)
     comm = cls(comm_id=comm_id, mesh=mesh, axis_name=axis_name, num_bytes=num_bytes,
                timeout_s=float(timeout_s), checked=bool(checked))
     with _registry_lock:

@@ -479,7 +479,7 @@ def engram_table_grad(d_rows: Array, indices: Array, v_l: int, dtype, *, axis_na
   Each owner sums, in float32 and in (source rank, token, slot) order, the
   cotangents of the rows it served (XLA's scatter keeps that order on CPU;
   on GPU it adds with atomics, in no fixed order: the CUDA backend's kernel,
-  jax_ep/_ffi_engram.py table_grad_cuda, keeps it there).
+  jax_ep.ops.engram _shard_grad, keeps it there).
   """
   rows, d = engram_grad_entries(d_rows, indices, v_l, axis_name=axis_name)
   g = jnp.zeros((v_l, d.shape[1]), jnp.float32).at[rows].add(d, mode="drop")

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import reference as ref
-from jax_ep._checks import (check_positive, check_routing, check_sms, check_x, is_fp8_pair,
-                            note_origin, origin_of, raise_if)
+from jax_ep._checks import (check_positive, check_recv_sms, check_routing, check_sms, check_x,
+                            is_fp8_pair, note_origin, origin_of, raise_if)
+from jax_ep._ffi import dispatch as ffi
 from jax_ep._types import DispatchHandle, DispatchOutput
 from jax_ep.ops import _backend
 
@@ -33,15 +34,15 @@ class _Cfg:
   ue8m0: bool
   backend: Optional[str]
   start: bool = False  # on the communicator's side stream (jax_ep.ops.overlap)
-  num_sms: int = 0     # CUDA: CTAs of the data kernels, 0 = the bandwidth model's
-  recv_sms: int = 0    # CUDA: of them receiving / reducing, 0 = the model's
+  num_sms: int = 0     # CUDA: at most this many SMs, 0 = the bandwidth model's count
+  recv_sms: int = 0    # CUDA: of them receiving / reducing, 0 = the model's share
 
 
 def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = None, *,
              num_experts: int, axis_name: str = "ep", layout: str = "rank",
              capacity: Optional[int] = None, expert_alignment: int = 1, fp8: bool = False,
              ue8m0: bool = False, handle: Optional[DispatchHandle] = None,
-             num_sms: Optional[int] = None, recv_sms: Optional[int] = None,
+             num_sms: Optional[int] = 0, recv_sms: Optional[int] = 0,
              backend: Optional[str] = None) -> DispatchOutput:
   """Sends each token to the ranks (rank layout) or experts (expert layout) it chose.
 
@@ -60,10 +61,10 @@ def dispatch(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = No
       `ue8m0` rounds the scales up to powers of two.
     handle: from an earlier dispatch with the same routing: skip the layout
       work (cached dispatch); `capacity`/`layout` come from the handle.
-    num_sms, recv_sms: CUDA kernels only (static): CTAs (one per SM) of the
-      data kernel and how many of them receive; None = the bandwidth model's
-      choice (24 at most; every SM at one rank, where nothing crosses a link,
-      except in the *_start forms, which run beside compute).
+    num_sms, recv_sms: CUDA kernels only (static): at most num_sms SMs (one
+      CTA each), recv_sms of them receiving; 0 (or None) = the bandwidth
+      model's choice (24 at most; every SM at one rank, where nothing crosses
+      a link, except in the *_start forms, which run beside compute).
       The reference ignores them.
   Returns:
     DispatchOutput(recv_x, recv_topk_idx, recv_topk_weights, counts, handle);
@@ -150,8 +151,8 @@ def _check_same_routing(x, topk_idx: jax.Array, handle: DispatchHandle, axis_nam
 
 
 def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
-            axis_name: str = "ep", num_sms: Optional[int] = None,
-            recv_sms: Optional[int] = None, backend: Optional[str] = None) -> jax.Array:
+            axis_name: str = "ep", num_sms: Optional[int] = 0,
+            recv_sms: Optional[int] = 0, backend: Optional[str] = None) -> jax.Array:
   """Returns each row to its source token and sums (inside shard_map).
 
   out[t] = sum over rows from token t of w_row * y[row], accumulated in
@@ -175,8 +176,8 @@ def combine(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] =
 
 
 def _sms(num_sms, recv_sms) -> dict:
-  n, q = check_sms(num_sms, recv_sms)
-  return dict(num_sms=n, recv_sms=q)
+  n = check_sms(num_sms)
+  return dict(num_sms=n, recv_sms=check_recv_sms(recv_sms, n))
 
 
 def _combine_cfg(y, handle, weights, *, axis_name, backend) -> _Cfg:
@@ -224,6 +225,20 @@ def _empty_dispatch(cfg: _Cfg, x, topk_idx, topk_weights, num_ranks: int) -> Dis
   return DispatchOutput(recv_x, jnp.full(w_shape, -1, jnp.int32), recv_w, counts, h)
 
 
+def choice(cfg: _Cfg, op: str) -> _backend.Choice:
+  """The backend of a normal op of `cfg` (its start and done halves too)."""
+  return _backend.choose(cfg.backend, op=op, axis_name=cfg.axis_name)
+
+
+def kernel_dispatch(cfg: _Cfg, comm_id: int, x, topk_idx, topk_weights, handle):
+  return ffi.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
+                      num_ranks=ref.axis_size(cfg.axis_name), comm_id=comm_id,
+                      layout=cfg.layout, capacity=cfg.capacity,
+                      expert_alignment=cfg.expert_alignment, fp8=cfg.fp8, ue8m0=cfg.ue8m0,
+                      num_sms=cfg.num_sms, recv_sms=cfg.recv_sms, handle=handle,
+                      start=cfg.start)
+
+
 def _dispatch_impl(cfg: _Cfg, x, topk_idx, topk_weights, handle) -> DispatchOutput:
   def reference(x, topk_idx, topk_weights, handle):
     return ref.dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
@@ -231,32 +246,21 @@ def _dispatch_impl(cfg: _Cfg, x, topk_idx, topk_weights, handle) -> DispatchOutp
                         expert_alignment=cfg.expert_alignment, fp8=cfg.fp8, ue8m0=cfg.ue8m0,
                         handle=handle)
 
-  return _backend.run(cfg.backend, cfg.axis_name, reference, _cuda_dispatch(cfg), x, topk_idx,
-                      topk_weights, handle)
+  c = choice(cfg, "dispatch")
+  return _backend.run(c, reference, functools.partial(kernel_dispatch, cfg, c.comm_id), x,
+                      topk_idx, topk_weights, handle)
 
 
 def _combine_impl(cfg: _Cfg, y, handle, weights) -> jax.Array:
   def reference(y, handle, weights):
     return ref.combine(y, handle, weights, axis_name=cfg.axis_name)
 
-  return _backend.run(cfg.backend, cfg.axis_name, reference, _cuda_combine(cfg), y, handle,
-                      weights)
+  def kernel(y, handle, weights):
+    return ffi.combine(y, handle, weights, comm_id=c.comm_id, num_sms=cfg.num_sms,
+                       recv_sms=cfg.recv_sms, start=cfg.start)
 
-
-def _cuda_dispatch(cfg: _Cfg):
-  try:
-    from jax_ep import _ffi_dispatch
-  except ImportError:
-    return None
-  return getattr(_ffi_dispatch, "dispatch_factory", lambda cfg: None)(cfg)
-
-
-def _cuda_combine(cfg: _Cfg):
-  try:
-    from jax_ep import _ffi_dispatch
-  except ImportError:
-    return None
-  return getattr(_ffi_dispatch, "combine_factory", lambda cfg: None)(cfg)
+  c = choice(cfg, "combine")
+  return _backend.run(c, reference, kernel, y, handle, weights)
 
 
 # ------------------------------------------------------------ gradients

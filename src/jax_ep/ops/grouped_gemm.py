@@ -29,8 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import _ffi, _native, fp8
-from jax_ep._checks import same_origin
+from jax_ep import fp8
+from jax_ep._checks import check_sms, same_origin
+from jax_ep._ffi import fp8_cast as cast_ffi
+from jax_ep._ffi import grouped_gemm as ffi
+from jax_ep.ops import _backend
 from jax_ep.ops._backend import _varying_axes, check_backend
 
 Array = jax.Array
@@ -60,11 +63,16 @@ def _check(x: Array, w: Array, group_sizes: Array, *, masked: bool, out_dtype,
     raise ValueError(f"out_dtype must be bf16, f32 or x's dtype, got {out_dtype}")
 
 
-def _kernel_ok(x: Array, w: Array, out_dtype) -> bool:
-  """Whether the CUDA kernel takes these operands (else the reference)."""
+def _kernel_refusal(x: Array, w: Array, out_dtype) -> Optional[str]:
+  """Why the bf16 kernel cannot take these operands (auto then runs the
+  reference), or None."""
   h, f = w.shape[1], w.shape[2]
-  return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and h % 8 == 0 and f % 8 == 0
-          and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
+  if (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and h % 8 == 0 and f % 8 == 0
+      and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))):
+    return None
+  return ("the grouped GEMM kernel takes bf16 x and w with H and F multiples of 8 and a "
+          f"bf16/f32 output; got x {x.dtype}, w {w.dtype} {list(w.shape)}, out "
+          f"{jnp.dtype(out_dtype)}")
 
 
 def _match_vma(out: Array, *ins: Array) -> Array:
@@ -83,9 +91,8 @@ def _match_vma(out: Array, *ins: Array) -> Array:
 
 def _fwd_kernel(x, w, sizes, out_dtype, stride, num_sms):
   rows_shape = x.shape[:-1]
-  out = _ffi.grouped_gemm_cuda(x, w, sizes, kind=_ffi.GG_FORWARD,
-                               out_shape=(*rows_shape, w.shape[2]), out_dtype=out_dtype,
-                               group_stride=stride, num_sms=num_sms)
+  out = ffi.grouped_gemm(x, w, sizes, kind=ffi.FORWARD, out_shape=(*rows_shape, w.shape[2]),
+                         out_dtype=out_dtype, group_stride=stride, num_sms=num_sms)
   return _match_vma(out, x, w, sizes)
 
 
@@ -103,10 +110,10 @@ def _grouped_cuda_bwd(out_dtype, stride, num_sms, res, dy):
   # The backward kernels take bf16 operands: an f32 cotangent is rounded to
   # bf16 (the precision of the forward's operands).
   dy = dy.astype(jnp.bfloat16)
-  dx = _ffi.grouped_gemm_cuda(dy, w, sizes, kind=_ffi.GG_TRANS_W, out_shape=x.shape,
-                              out_dtype=jnp.bfloat16, group_stride=stride, num_sms=num_sms)
-  dw = _ffi.grouped_gemm_cuda(x, dy, sizes, kind=_ffi.GG_WEIGHT_GRAD, out_shape=w.shape,
-                              out_dtype=jnp.bfloat16, group_stride=stride, num_sms=num_sms)
+  dx = ffi.grouped_gemm(dy, w, sizes, kind=ffi.TRANS_W, out_shape=x.shape,
+                        out_dtype=jnp.bfloat16, group_stride=stride, num_sms=num_sms)
+  dw = ffi.grouped_gemm(x, dy, sizes, kind=ffi.WEIGHT_GRAD, out_shape=w.shape,
+                        out_dtype=jnp.bfloat16, group_stride=stride, num_sms=num_sms)
   return _match_vma(dx, x), _match_vma(dw, w), None
 
 
@@ -135,25 +142,15 @@ def _run(x, w, sizes, *, out_dtype, stride, backend, num_sms, reference):
     out_dtype = x.dtype
   out_dtype = jnp.dtype(out_dtype)
   sizes = sizes.astype(jnp.int32)
-  ref = functools.partial(reference, out_dtype=out_dtype)
-  use_kernel = _native.cuda_built() and _kernel_ok(x, w, out_dtype)
-  if backend == "reference" or (backend in (None, "auto") and not use_kernel):
-    return ref(x, w, sizes)
-  if backend == "cuda":
-    if not _native.cuda_built():
-      raise ValueError("backend='cuda': jax_ep was built without its CUDA kernels")
-    if not _kernel_ok(x, w, out_dtype):
-      raise ValueError("backend='cuda': the grouped GEMM kernel takes bf16 x and w with H and F "
-                       f"multiples of 8 and a bf16/f32 output; got x {x.dtype}, w {w.dtype} "
-                       f"{list(w.shape)}, out {out_dtype}")
-  kernel = lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, num_sms or 0)
-  if backend == "cuda":
-    return kernel(x, w, sizes)
-  return lax.platform_dependent(x, w, sizes, default=ref, cuda=kernel)
+  sms = check_sms(num_sms)
+  choice = _backend.choose(backend, op="grouped_matmul",
+                           refusal=_kernel_refusal(x, w, out_dtype))
+  return _backend.run(choice, functools.partial(reference, out_dtype=out_dtype),
+                      lambda a, b, s: _grouped_cuda(a, b, s, out_dtype, stride, sms), x, w, sizes)
 
 
 def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
-                   backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
+                   backend: Optional[str] = None, num_sms: Optional[int] = 0) -> Array:
   """out[rows of group g] = x[rows of group g] @ w[g], groups contiguous.
 
   Args:
@@ -166,8 +163,8 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
     out_dtype: bf16 or f32 (default: x's dtype); f32 accumulation either way.
     backend: None (kernel on CUDA for bf16 operands, else `lax.ragged_dot`),
       "reference" or "cuda".
-    num_sms: SMs the kernel may use (default all), e.g. to leave room for
-      communication running beside it.
+    num_sms: at most this many SMs (0 or None: all of them), e.g. to leave
+      room for communication running beside it. The reference ignores it.
   Returns:
     [M, F] in out_dtype.
   """
@@ -179,7 +176,7 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, out_dtype=None,
 
 def masked_grouped_matmul(x: Array, w: Array, counts: Array, *, out_dtype=None,
                           backend: Optional[str] = None,
-                          num_sms: Optional[int] = None) -> Array:
+                          num_sms: Optional[int] = 0) -> Array:
   """out[g, :counts[g]] = x[g, :counts[g]] @ w[g] over the low-latency grid.
 
   Args:
@@ -249,27 +246,6 @@ def _check_fp8(x, w, sizes, *, masked: bool, backend) -> None:
                      f"{list(sizes.shape)}")
 
 
-def _use_fp8_kernel(backend) -> bool:
-  """The one backend choice of the FP8 products: the kernel on CUDA builds
-  (its GPU tests check it against the oracle), the reference elsewhere.
-  Returns False for the reference, True for the kernel; None means "the
-  kernel on CUDA, the reference on other platforms" (platform_dependent)."""
-  if backend == "reference" or (backend in (None, "auto") and not _native.cuda_built()):
-    return False
-  if backend == "cuda":
-    if not _native.cuda_built():
-      raise ValueError("backend='cuda': jax_ep was built without its CUDA kernels")
-    return True
-  return None
-
-
-def _pick(kernel, ref, backend, *args):
-  use = _use_fp8_kernel(backend)
-  if use is None:
-    return lax.platform_dependent(*args, default=ref, cuda=kernel)
-  return kernel(*args) if use else ref(*args)
-
-
 def _fp8_product(xq, xs, wq, ws, sizes, *, masked: bool, backend, num_sms):
   """(xq * xs) @ (wq * ws)^T per group, bf16 out: the forward product, and
   with (dy, the weights as stored) the data gradient."""
@@ -288,12 +264,12 @@ def _fp8_product(xq, xs, wq, ws, sizes, *, masked: bool, backend, num_sms):
     # 3.8 TB/s against 2.9 for 128-row cooperative tiles, which win on the
     # contiguous layout's full groups (1.20 against 1.47 ms at the MoE
     # shape; benchmarks/results, 2026-12-04).
-    out = _ffi.grouped_gemm_fp8_cuda(xq, xs, wq, ws, sizes,
-                                     group_stride=xq.shape[1] if masked else 0,
-                                     num_sms=num_sms or 0, schedule=1 if masked else 0)
+    out = ffi.grouped_gemm_fp8(xq, xs, wq, ws, sizes, group_stride=xq.shape[1] if masked else 0,
+                               num_sms=num_sms, schedule=1 if masked else 0)
     return _match_vma(out, xq, wq, sizes)
 
-  return _pick(kernel, ref, backend, xq, xs, wq, ws, sizes)
+  op = "masked_grouped_matmul_fp8" if masked else "grouped_matmul_fp8"
+  return _backend.run(_backend.choose(backend, op=op), ref, kernel, xq, xs, wq, ws, sizes)
 
 
 # --- FP8 training: both weight orientations, token-major operands ----------
@@ -311,10 +287,14 @@ class Fp8Weights(NamedTuple):
   s_t: Array  # [G, F/128, H/128] f32
 
 
-def fp8_weights(w: Array, *, backend: Optional[str] = None) -> Fp8Weights:
+def fp8_weights(w: Array, *, backend: Optional[str] = None,
+                num_sms: Optional[int] = 0) -> Fp8Weights:
   """Quantise master weights w [G, H, F] (f32 or bf16) for FP8 training:
   one read of w, both orientations written. Make it inside the step, or
-  once per optimizer update and pass it to grouped_matmul_fp8(w_fp8=...)."""
+  once per optimizer update and pass it to grouped_matmul_fp8(w_fp8=...).
+  num_sms: CUDA: at most this many SMs (0 or None: one CTA per 128 x 128
+  block, all of them)."""
+  sms = check_sms(num_sms)
   g, h, f = w.shape
   if h % fp8.BLOCK or f % fp8.BLOCK:
     raise ValueError(f"w: H={h} and F={f} must be multiples of {fp8.BLOCK} for FP8 weights")
@@ -326,9 +306,9 @@ def fp8_weights(w: Array, *, backend: Optional[str] = None) -> Fp8Weights:
     return q, jnp.transpose(q, (0, 2, 1)), s
 
   def kernel(w):
-    return tuple(_match_vma(a, w) for a in _ffi.fp8_cast_weights_cuda(w))
+    return tuple(_match_vma(a, w) for a in cast_ffi.cast_weights(w, num_sms=sms))
 
-  q, q_t, s = _pick(kernel, ref, backend, w)
+  q, q_t, s = _backend.run(_backend.choose(backend, op="fp8_weights"), ref, kernel, w)
   return Fp8Weights(q=q, s=s, q_t=q_t, s_t=jnp.transpose(s, (0, 2, 1)))
 
 
@@ -346,14 +326,15 @@ def padded_token_count(rows: int, groups: int) -> int:
   return fp8.BLOCK * (-(-rows // fp8.BLOCK) + groups)
 
 
-def quantize_token_major(x: Array, sizes: Array, *, backend: Optional[str] = None
-                         ) -> tuple[Array, Array, Array]:
+def quantize_token_major(x: Array, sizes: Array, *, backend: Optional[str] = None,
+                         num_sms: Optional[int] = 0) -> tuple[Array, Array, Array]:
   """x [M, C] -> (qT [C, P] e4m3, s [P/128, C] f32, padded_sizes [G] i32).
 
   The weight gradient's operand layout: the token axis moved last (K-major
   for wgrad), each group padded to whole 128-token chunks with zeros and
   scaled per (channel, chunk of its own tokens): no scale block spans two
-  groups. P = padded_token_count(M, G)."""
+  groups. P = padded_token_count(M, G). num_sms: as for fp8_weights."""
+  sms = check_sms(num_sms)
   m, c = x.shape
   g = sizes.shape[0]
   p = padded_token_count(m, g)
@@ -383,16 +364,18 @@ def quantize_token_major(x: Array, sizes: Array, *, backend: Optional[str] = Non
     return jnp.transpose(q.reshape(p, c)), s
 
   def kernel(x, chunk_src, chunk_rows):
-    return tuple(_match_vma(a, x) for a in _ffi.fp8_cast_tokens_cuda(x, chunk_src, chunk_rows))
+    return tuple(_match_vma(a, x) for a in cast_ffi.cast_tokens(x, chunk_src, chunk_rows,
+                                                                num_sms=sms))
 
-  qt, s = _pick(kernel, ref, backend, x, chunk_src, chunk_rows)
+  qt, s = _backend.run(_backend.choose(backend, op="quantize_token_major"), ref, kernel, x,
+                       chunk_src, chunk_rows)
   return qt, s, psizes
 
 
 def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
   """dw[g] = x_g^T dy_g with both operands FP8 along the tokens, bf16 out."""
-  xq, xs, psizes = quantize_token_major(x, sizes, backend=backend)
-  dq, ds, _ = quantize_token_major(dy, sizes, backend=backend)
+  xq, xs, psizes = quantize_token_major(x, sizes, backend=backend, num_sms=num_sms)
+  dq, ds, _ = quantize_token_major(dy, sizes, backend=backend, num_sms=num_sms)
 
   def ref(xq, xs, dq, ds, psizes):
     def deq(q, s):  # [C, P], [P/128, C] -> [P, C] f32
@@ -407,11 +390,12 @@ def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
     return pull(dd)[0].astype(jnp.bfloat16)
 
   def kernel(xq, xs, dq, ds, psizes):
-    out = _ffi.grouped_gemm_fp8_cuda(xq, xs, dq, ds, psizes, kind=_ffi.GG_WEIGHT_GRAD_FP8,
-                                     num_sms=num_sms or 0)
+    out = ffi.grouped_gemm_fp8(xq, xs, dq, ds, psizes, kind=ffi.WEIGHT_GRAD_FP8,
+                               num_sms=num_sms)
     return _match_vma(out, xq, dq, psizes)
 
-  return _pick(kernel, ref, backend, xq, xs, dq, ds, psizes)
+  return _backend.run(_backend.choose(backend, op="grouped_matmul_fp8 (weight gradient)"), ref,
+                      kernel, xq, xs, dq, ds, psizes)
 
 
 def _fp8_train_forward(x, sizes, wf, x_fp8, backend, num_sms):
@@ -472,7 +456,7 @@ def _check_fp8_train(x, w, sizes, w_fp8, backend) -> None:
 
 def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] = None,
                        x_fp8: Optional[tuple[Array, Array]] = None,
-                       backend: Optional[str] = None, num_sms: Optional[int] = None) -> Array:
+                       backend: Optional[str] = None, num_sms: Optional[int] = 0) -> Array:
   """grouped_matmul on FP8 tensor cores with fine-grained scales; bf16 out.
 
   Two forms:
@@ -493,8 +477,10 @@ def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] 
   added into the f32 accumulator: nothing is dequantised in memory.
   backend None runs the kernels on CUDA and the reference (dequantise +
   ragged_dot, in the same custom_vjp) elsewhere; "reference" / "cuda" force
-  one.
+  one. num_sms: at most this many SMs for every kernel of the op, its casts
+  and backward included (0 or None: all of them).
   """
+  num_sms = check_sms(num_sms)
   if isinstance(x, tuple) or isinstance(w, tuple):
     if w_fp8 is not None:
       raise ValueError("w_fp8 goes with master weights w [G, H, F], not with an FP8 (wq, ws) pair")
@@ -511,15 +497,16 @@ def grouped_matmul_fp8(x, w, group_sizes: Array, *, w_fp8: Optional[Fp8Weights] 
     x_fp8 = tuple(lax.stop_gradient(a) for a in x_fp8)
   # The weights' cast is not differentiated through: the custom_vjp below
   # returns the master weights' gradient itself.
-  wf = (fp8_weights(lax.stop_gradient(w), backend=backend) if w_fp8 is None
+  wf = (fp8_weights(lax.stop_gradient(w), backend=backend, num_sms=num_sms) if w_fp8 is None
         else jax.tree.map(lax.stop_gradient, w_fp8))
   return _fp8_train(x, w, group_sizes.astype(jnp.int32), wf, x_fp8, backend, num_sms)
 
 
 def masked_grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], counts: Array, *,
                               backend: Optional[str] = None,
-                              num_sms: Optional[int] = None) -> Array:
+                              num_sms: Optional[int] = 0) -> Array:
   """masked_grouped_matmul on FP8 operands: x = (xq [G, S, H], xs [G, S, H/128])
-  as low_latency_dispatch returns them; rows past counts[g] are unspecified."""
+  as low_latency_dispatch returns them; rows past counts[g] are unspecified.
+  num_sms: as for grouped_matmul_fp8."""
   _check_fp8(x, w, counts, masked=True, backend=backend)
-  return _fp8_product(*x, *w, counts, masked=True, backend=backend, num_sms=num_sms)
+  return _fp8_product(*x, *w, counts, masked=True, backend=backend, num_sms=check_sms(num_sms))

@@ -2,7 +2,8 @@
 buffers, fused or split into *_start / *_done so XLA can place compute
 between the send and the receive. Split and fused give identical results.
 
-Backends, chosen once per call by `_choose`:
+Backends, chosen once per call by `jax_ep.ops._backend.choose` (the *_done
+half keeps its start's choice):
   "cuda": the dedicated kernels (one kernel per fused op; a send and a
     receive kernel for *_start / *_done; rows stored straight into the
     owners' windows: docs/low_latency.md). They take bf16 x / y, H a
@@ -26,16 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import _window
 from jax_ep import reference as ref
 from jax_ep._checks import check_positive, check_routing, check_sms, check_x
+from jax_ep._ffi import low_latency as ffi
 from jax_ep._types import LowLatencyDispatchOutput, LowLatencyHandle, Pending
 from jax_ep.ops import _backend
-
-
-def _ffi():
-  # Imported on use: the package imports (and lowers) without the native module.
-  from jax_ep import _ffi_low_latency
-  return _ffi_low_latency
 
 
 @jax.tree_util.register_dataclass
@@ -58,24 +55,22 @@ class LowLatencyPending:
   ue8m0: bool = dataclasses.field(metadata=dict(static=True))
   reserved_bytes: int = dataclasses.field(metadata=dict(static=True))
   num_sms: int = dataclasses.field(metadata=dict(static=True))
+  comm_id: int = dataclasses.field(metadata=dict(static=True), default=-1)
+
+  @property
+  def choice(self) -> _backend.Choice:
+    return _backend.Choice(self.backend, self.axis_name, self.comm_id)
 
 
 def _kernel_refusal(dtype, hidden: int, fp8: bool, topk: int, max_tokens: int) -> Optional[str]:
   """Why the kernels cannot take this input, or None."""
-  ffi_ll = _ffi()
-  if ffi_ll.kernels_take(dtype, hidden, fp8, topk, max_tokens):
+  if (jnp.dtype(dtype) == jnp.bfloat16 and 1 <= topk <= 32 and
+      hidden % (128 if fp8 else 8) == 0 and max_tokens <= ffi.MAX_TOKENS):
     return None
   return (f"the low-latency kernels take bf16 data with H a multiple of 8 (128 with FP8), "
-          f"1 <= K <= 32 and max_tokens <= {ffi_ll.MAX_TOKENS}; got {jnp.dtype(dtype)}, "
+          f"1 <= K <= 32 and max_tokens <= {ffi.MAX_TOKENS}; got {jnp.dtype(dtype)}, "
           f"H={hidden}, K={topk}, max_tokens={max_tokens} (backend=None runs the reference "
           f"for such inputs)")
-
-
-def _window_need(axis_name: str, *, num_experts: int, max_tokens: int, hidden: int, topk: int,
-                 reserved_bytes: int) -> int:
-  return _ffi().window_bytes_needed(num_ranks=ref.axis_size(axis_name), max_tokens=max_tokens,
-                                    hidden=hidden, topk=topk, num_experts=num_experts,
-                                    reserved_bytes=reserved_bytes)
 
 
 def _has_gin_peer(comm) -> bool:
@@ -87,41 +82,26 @@ def _has_gin_peer(comm) -> bool:
   return bool(info is not None and any(d.get("gin_mask", 0) for d in info()))
 
 
-def _choose(backend: Optional[str], axis_name: str, *, dtype, hidden: int, fp8: bool, topk: int,
-            num_experts: int, max_tokens: int, reserved_bytes: int) -> str:
-  """"cuda" (forced: the kernels or a ValueError), "auto" (the kernels on the
-  CUDA platform, the reference elsewhere) or "reference"."""
-  if backend == "reference":
-    return "reference"
-  why = _kernel_refusal(dtype, hidden, fp8, topk, max_tokens)
-  comm = _backend.cuda_comm(axis_name)
-  need = _window_need(axis_name, num_experts=num_experts, max_tokens=max_tokens, hidden=hidden,
-                      topk=topk, reserved_bytes=reserved_bytes)
-  if backend == "cuda":
-    if why is not None:
-      raise ValueError(f"backend='cuda': {why}")
-    if comm is not None and need > comm.num_bytes:
-      raise ValueError(f"backend='cuda': the low-latency kernels need {need} window bytes per GPU "
-                       f"(reserved_bytes={reserved_bytes} below their area) but the "
-                       f"Communicator has {comm.num_bytes}; create it with num_bytes >= {need} "
-                       f"(jax_ep.get_buffer_size_hint(..., low_latency=True))")
-    return "cuda"
-  if comm is None or why is not None or need > comm.num_bytes or _has_gin_peer(comm):
-    return "reference"
-  return "auto"
-
-
-def _run_kind(kind: str) -> Optional[str]:
-  """The _backend.run backend of a _choose result."""
-  return {"cuda": "cuda", "auto": None, "reference": "reference"}[kind]
+def _kernel_conditions(axis_name: str, *, dtype, hidden: int, fp8: bool, topk: int,
+                       num_experts: int, max_tokens: int, reserved_bytes: int) -> dict:
+  """What the kernels need of this call, for `_backend.choose`: an input
+  they take, a window that holds their area above `reserved_bytes`, and
+  (under auto) no peer reached by GIN."""
+  need = _window.low_latency_bytes(num_ranks=ref.axis_size(axis_name), max_tokens=max_tokens,
+                                   hidden=hidden, topk=topk, num_experts=num_experts,
+                                   reserved_bytes=reserved_bytes)
+  return dict(refusal=_kernel_refusal(dtype, hidden, fp8, topk, max_tokens), window_need=need,
+              window_what=f"the low-latency area above reserved_bytes={reserved_bytes}; "
+                          "jax_ep.get_buffer_size_hint(..., low_latency=True)",
+              auto_refusal=_has_gin_peer)
 
 
 def _check_options(reserved_bytes, num_sms) -> int:
-  """num_sms as the kernels' attribute (0: the kernels' own choice)."""
+  """num_sms as the kernels' attribute (0: the kernels' own count)."""
   if (not isinstance(reserved_bytes, (int, np.integer)) or isinstance(reserved_bytes, bool)
       or reserved_bytes < 0):
     raise ValueError(f"reserved_bytes must be an int >= 0, got {reserved_bytes!r}")
-  return check_sms(num_sms, None)[0]
+  return check_sms(num_sms)
 
 
 def _check_pending(pending, op: str) -> None:
@@ -173,38 +153,47 @@ def _dispatch_output(recv, counts, src_entry, *, num_experts, max_tokens):
   return LowLatencyDispatchOutput(recv, counts, handle)
 
 
+def _dispatch_choice(backend, axis_name, op, x, topk_idx, *, num_experts, max_tokens, fp8,
+                     reserved_bytes) -> _backend.Choice:
+  return _backend.choose(backend, op=op, axis_name=axis_name, **_kernel_conditions(
+      axis_name, dtype=x.dtype, hidden=x.shape[1], fp8=fp8, topk=topk_idx.shape[1],
+      num_experts=num_experts, max_tokens=max_tokens, reserved_bytes=reserved_bytes))
+
+
 def low_latency_dispatch_start(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
                                max_tokens: int, axis_name: str = "ep", fp8: bool = False,
                                ue8m0: bool = False, reserved_bytes: int = 0,
-                               num_sms: Optional[int] = None,
+                               num_sms: Optional[int] = 0,
                                backend: Optional[str] = None) -> Any:
   """Sends; returns an opaque pending state for `low_latency_dispatch_done`.
-  Arguments as `low_latency_dispatch`."""
+  Arguments as `low_latency_dispatch` (the done's receive kernel runs with
+  the same num_sms)."""
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
   sms = _check_options(reserved_bytes, num_sms)
-  kind = _choose(backend, axis_name, dtype=x.dtype, hidden=x.shape[1], fp8=fp8,
-                 topk=topk_idx.shape[1], num_experts=num_experts, max_tokens=max_tokens,
-                 reserved_bytes=reserved_bytes)
-  if kind == "reference":
+  choice = _dispatch_choice(backend, axis_name, "low_latency_dispatch_start", x, topk_idx,
+                            num_experts=num_experts, max_tokens=max_tokens, fp8=fp8,
+                            reserved_bytes=reserved_bytes)
+  if not choice.kernels:
     return ref.low_latency_dispatch_start(x, topk_idx, num_experts=num_experts,
                                           max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
                                           ue8m0=ue8m0)
   idx = topk_idx.astype(jnp.int32)
 
-  def cuda(comm):
-    return lambda a, i: _ffi().dispatch_send_cuda(
-        a, i, num_experts=num_experts, max_tokens=max_tokens, comm_id=comm.comm_id, fp8=fp8,
-        ue8m0=ue8m0, reserved_bytes=reserved_bytes, num_sms=sms)
+  def kernel(a, i):
+    return ffi.dispatch_send(a, i, num_experts=num_experts, max_tokens=max_tokens,
+                             comm_id=choice.comm_id, fp8=fp8, ue8m0=ue8m0,
+                             reserved_bytes=reserved_bytes, num_sms=sms)
 
   def reference(a, i):  # off CUDA under auto: the done runs the whole reference
     return jnp.ones((1,), jnp.int32)
 
-  token = _backend.run(_run_kind(kind), axis_name, reference, cuda, x, idx)
-  arrays = (token, x, idx) if kind == "auto" else (token,)
-  return LowLatencyPending(arrays, op="low_latency_dispatch", backend=kind, axis_name=axis_name,
-                           num_experts=num_experts, max_tokens=max_tokens, num_tokens=x.shape[0],
-                           topk=topk_idx.shape[1], hidden=x.shape[1], fp8=fp8, ue8m0=ue8m0,
-                           reserved_bytes=reserved_bytes, num_sms=sms)
+  token = _backend.run(choice, reference, kernel, x, idx)
+  arrays = (token, x, idx) if choice.kind == "auto" else (token,)
+  return LowLatencyPending(arrays, op="low_latency_dispatch", backend=choice.kind,
+                           axis_name=axis_name, num_experts=num_experts, max_tokens=max_tokens,
+                           num_tokens=x.shape[0], topk=topk_idx.shape[1], hidden=x.shape[1],
+                           fp8=fp8, ue8m0=ue8m0, reserved_bytes=reserved_bytes, num_sms=sms,
+                           comm_id=choice.comm_id)
 
 
 def low_latency_dispatch_done(pending: Any) -> LowLatencyDispatchOutput:
@@ -219,18 +208,17 @@ def low_latency_dispatch_done(pending: Any) -> LowLatencyDispatchOutput:
   p = pending
   num_ranks = ref.axis_size(p.axis_name)
 
-  def cuda(comm):
-    return lambda t, *_: _ffi().dispatch_recv_cuda(
-        t, num_tokens=p.num_tokens, topk=p.topk, hidden=p.hidden, num_experts=p.num_experts,
-        max_tokens=p.max_tokens, num_ranks=num_ranks, comm_id=comm.comm_id, fp8=p.fp8,
-        reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
+  def kernel(t, *_):
+    return ffi.dispatch_recv(t, num_tokens=p.num_tokens, topk=p.topk, hidden=p.hidden,
+                             num_experts=p.num_experts, max_tokens=p.max_tokens,
+                             num_ranks=num_ranks, comm_id=p.comm_id, fp8=p.fp8,
+                             reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
 
   def reference(t, x, i):
     return _ref_dispatch(x, i, num_experts=p.num_experts, max_tokens=p.max_tokens,
                          axis_name=p.axis_name, fp8=p.fp8, ue8m0=p.ue8m0)
 
-  recv, counts, src_entry = _backend.run(_run_kind(p.backend), p.axis_name, reference, cuda,
-                                         *p.arrays)
+  recv, counts, src_entry = _backend.run(p.choice, reference, kernel, *p.arrays)
   return _dispatch_output(recv, counts, src_entry, num_experts=p.num_experts,
                           max_tokens=p.max_tokens)
 
@@ -238,7 +226,7 @@ def low_latency_dispatch_done(pending: Any) -> LowLatencyDispatchOutput:
 def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
                          max_tokens: int, axis_name: str = "ep", fp8: bool = False,
                          ue8m0: bool = False, reserved_bytes: int = 0,
-                         num_sms: Optional[int] = None,
+                         num_sms: Optional[int] = 0,
                          backend: Optional[str] = None) -> LowLatencyDispatchOutput:
   """Fused `low_latency_dispatch_start` + `low_latency_dispatch_done` (one
   kernel on CUDA).
@@ -248,8 +236,9 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
     fp8 / ue8m0: cast to e4m3 with per-128-channel scales (powers of two).
     reserved_bytes: CUDA: window bytes from the base that other ops of the
       program (dispatch / combine) use; the kernels' area goes above them.
-    num_sms: CUDA: at most this many CTAs (one per SM); None: one per
-      local expert or per 16 tokens, at most every SM.
+    num_sms: CUDA: at most this many SMs (one CTA each); 0 or None: one per
+      local expert or per 16 tokens, at most every SM. The reference
+      ignores it.
     backend: see the module doc.
   Returns:
     recv_x [E_l, R * max_tokens, H] (or (e4m3, scales [E_l, R * max_tokens,
@@ -257,24 +246,23 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, *, num_experts: int,
   """
   _check_dispatch(x, topk_idx, num_experts, max_tokens, axis_name, fp8, backend)
   sms = _check_options(reserved_bytes, num_sms)
-  kind = _choose(backend, axis_name, dtype=x.dtype, hidden=x.shape[1], fp8=fp8,
-                 topk=topk_idx.shape[1], num_experts=num_experts, max_tokens=max_tokens,
-                 reserved_bytes=reserved_bytes)
+  choice = _dispatch_choice(backend, axis_name, "low_latency_dispatch", x, topk_idx,
+                            num_experts=num_experts, max_tokens=max_tokens, fp8=fp8,
+                            reserved_bytes=reserved_bytes)
   kw = dict(num_experts=num_experts, max_tokens=max_tokens, axis_name=axis_name, fp8=fp8,
             ue8m0=ue8m0)
-  if kind == "reference":
+  if not choice.kernels:
     return low_latency_dispatch_done(low_latency_dispatch_start(x, topk_idx, **kw,
                                                                 backend="reference"))
   num_ranks = ref.axis_size(axis_name)
 
-  def cuda(comm):
-    return lambda a, i: _ffi().dispatch_cuda(
-        a, i, num_experts=num_experts, max_tokens=max_tokens, num_ranks=num_ranks,
-        comm_id=comm.comm_id, fp8=fp8, ue8m0=ue8m0, reserved_bytes=reserved_bytes, num_sms=sms)
+  def kernel(a, i):
+    return ffi.dispatch(a, i, num_experts=num_experts, max_tokens=max_tokens,
+                        num_ranks=num_ranks, comm_id=choice.comm_id, fp8=fp8, ue8m0=ue8m0,
+                        reserved_bytes=reserved_bytes, num_sms=sms)
 
-  recv, counts, src_entry = _backend.run(_run_kind(kind), axis_name,
-                                         lambda a, i: _ref_dispatch(a, i, **kw), cuda, x,
-                                         topk_idx.astype(jnp.int32))
+  recv, counts, src_entry = _backend.run(choice, lambda a, i: _ref_dispatch(a, i, **kw), kernel,
+                                         x, topk_idx.astype(jnp.int32))
   return _dispatch_output(recv, counts, src_entry, num_experts=num_experts,
                           max_tokens=max_tokens)
 
@@ -289,42 +277,45 @@ def _ref_combine(y, src_entry, recv_count, topk_idx, topk_weights, *, num_expert
       y, topk_idx, topk_weights, h, axis_name=axis_name))
 
 
-def _choose_combine(y, topk_idx, handle, axis_name, backend, reserved_bytes) -> str:
-  return _choose(backend, axis_name, dtype=y.dtype, hidden=y.shape[-1], fp8=False,
-                 topk=topk_idx.shape[1], num_experts=handle.num_experts,
-                 max_tokens=handle.max_tokens, reserved_bytes=reserved_bytes)
+def _combine_choice(backend, axis_name, op, y, topk_idx, handle,
+                    reserved_bytes) -> _backend.Choice:
+  return _backend.choose(backend, op=op, axis_name=axis_name, **_kernel_conditions(
+      axis_name, dtype=y.dtype, hidden=y.shape[-1], fp8=False, topk=topk_idx.shape[1],
+      num_experts=handle.num_experts, max_tokens=handle.max_tokens,
+      reserved_bytes=reserved_bytes))
 
 
 def low_latency_combine_start(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                               handle: LowLatencyHandle, *, axis_name: str = "ep",
-                              reserved_bytes: int = 0, num_sms: Optional[int] = None,
+                              reserved_bytes: int = 0, num_sms: Optional[int] = 0,
                               backend: Optional[str] = None) -> Any:
   """Sends expert outputs back; returns a pending state for
-  `low_latency_combine_done`. Arguments as `low_latency_combine`."""
+  `low_latency_combine_done`. Arguments as `low_latency_combine` (the done's
+  receive kernel runs with the same num_sms)."""
   _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
   sms = _check_options(reserved_bytes, num_sms)
-  kind = _choose_combine(y, topk_idx, handle, axis_name, backend, reserved_bytes)
-  if kind == "reference":
+  choice = _combine_choice(backend, axis_name, "low_latency_combine_start", y, topk_idx, handle,
+                           reserved_bytes)
+  if not choice.kernels:
     return ref.low_latency_combine_start(y, topk_idx, topk_weights, handle, axis_name=axis_name)
   idx = topk_idx.astype(jnp.int32)
 
-  def cuda(comm):
-    return lambda yy, e, c, i: _ffi().combine_send_cuda(
-        yy, e, c, i, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
-        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=sms)
+  def kernel(yy, e, c, i):
+    return ffi.combine_send(yy, e, c, i, num_experts=handle.num_experts,
+                            max_tokens=handle.max_tokens, comm_id=choice.comm_id,
+                            reserved_bytes=reserved_bytes, num_sms=sms)
 
   def reference(yy, e, c, i):  # off CUDA under auto: the done runs the whole reference
     return jnp.ones((1,), jnp.int32)
 
-  token = _backend.run(_run_kind(kind), axis_name, reference, cuda, y, handle.src_entry,
-                       handle.recv_count, idx)
-  arrays = ((token, idx, topk_weights) if kind == "cuda" else
+  token = _backend.run(choice, reference, kernel, y, handle.src_entry, handle.recv_count, idx)
+  arrays = ((token, idx, topk_weights) if choice.kind == "cuda" else
             (token, idx, topk_weights, y, handle.src_entry, handle.recv_count))
-  return LowLatencyPending(arrays, op="low_latency_combine", backend=kind, axis_name=axis_name,
-                           num_experts=handle.num_experts, max_tokens=handle.max_tokens,
-                           num_tokens=topk_idx.shape[0], topk=topk_idx.shape[1],
-                           hidden=y.shape[-1], fp8=False, ue8m0=False,
-                           reserved_bytes=reserved_bytes, num_sms=sms)
+  return LowLatencyPending(arrays, op="low_latency_combine", backend=choice.kind,
+                           axis_name=axis_name, num_experts=handle.num_experts,
+                           max_tokens=handle.max_tokens, num_tokens=topk_idx.shape[0],
+                           topk=topk_idx.shape[1], hidden=y.shape[-1], fp8=False, ue8m0=False,
+                           reserved_bytes=reserved_bytes, num_sms=sms, comm_id=choice.comm_id)
 
 
 def low_latency_combine_done(pending: Any) -> jax.Array:
@@ -335,21 +326,21 @@ def low_latency_combine_done(pending: Any) -> jax.Array:
     return ref.low_latency_combine_done(pending)
   p = pending
 
-  def cuda(comm):
-    return lambda t, i, w, *_: _ffi().combine_recv_cuda(
-        t, i, w, hidden=p.hidden, num_experts=p.num_experts, max_tokens=p.max_tokens,
-        comm_id=comm.comm_id, reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
+  def kernel(t, i, w, *_):
+    return ffi.combine_recv(t, i, w, hidden=p.hidden, num_experts=p.num_experts,
+                            max_tokens=p.max_tokens, comm_id=p.comm_id,
+                            reserved_bytes=p.reserved_bytes, num_sms=p.num_sms)
 
   def reference(t, i, w, y, e, c):
     return _ref_combine(y, e, c, i, w, num_experts=p.num_experts, max_tokens=p.max_tokens,
                         axis_name=p.axis_name)
 
-  return _backend.run(_run_kind(p.backend), p.axis_name, reference, cuda, *p.arrays)
+  return _backend.run(p.choice, reference, kernel, *p.arrays)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                         handle: LowLatencyHandle, *, axis_name: str = "ep",
-                        reserved_bytes: int = 0, num_sms: Optional[int] = None,
+                        reserved_bytes: int = 0, num_sms: Optional[int] = 0,
                         backend: Optional[str] = None) -> jax.Array:
   """Fused `low_latency_combine_start` + `low_latency_combine_done` (one
   kernel on CUDA).
@@ -365,19 +356,20 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
   """
   _check_combine(y, topk_idx, topk_weights, handle, axis_name, backend)
   sms = _check_options(reserved_bytes, num_sms)
-  kind = _choose_combine(y, topk_idx, handle, axis_name, backend, reserved_bytes)
-  if kind == "reference":
+  choice = _combine_choice(backend, axis_name, "low_latency_combine", y, topk_idx, handle,
+                           reserved_bytes)
+  if not choice.kernels:
     return low_latency_combine_done(low_latency_combine_start(
         y, topk_idx, topk_weights, handle, axis_name=axis_name, backend="reference"))
 
-  def cuda(comm):
-    return lambda yy, e, c, i, w: _ffi().combine_cuda(
-        yy, e, c, i, w, num_experts=handle.num_experts, max_tokens=handle.max_tokens,
-        comm_id=comm.comm_id, reserved_bytes=reserved_bytes, num_sms=sms)
+  def kernel(yy, e, c, i, w):
+    return ffi.combine(yy, e, c, i, w, num_experts=handle.num_experts,
+                       max_tokens=handle.max_tokens, comm_id=choice.comm_id,
+                       reserved_bytes=reserved_bytes, num_sms=sms)
 
   def reference(yy, e, c, i, w):
     return _ref_combine(yy, e, c, i, w, num_experts=handle.num_experts,
                         max_tokens=handle.max_tokens, axis_name=axis_name)
 
-  return _backend.run(_run_kind(kind), axis_name, reference, cuda, y, handle.src_entry,
-                      handle.recv_count, topk_idx.astype(jnp.int32), topk_weights)
+  return _backend.run(choice, reference, kernel, y, handle.src_entry, handle.recv_count,
+                      topk_idx.astype(jnp.int32), topk_weights)

@@ -3,7 +3,7 @@ the normal ops split so that independent compute runs while rows move.
 
 On CUDA the start enqueues the op's kernels on the communicator's own stream
 (after everything XLA's stream has queued so far) and the done makes XLA's
-stream wait for them (ffi/side_lane.h, docs/design.md "Overlap"). The
+stream wait for them (ffi/runtime/side_lane.h, docs/design.md "Overlap"). The
 start's results reach the program only through the done, which takes them
 as aliased operands, with the start's inputs and the overlapped compute
 (`after=`) as further operands, so XLA keeps every buffer the side stream
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jax_ep import reference as ref
 from jax_ep._checks import is_fp8_pair
+from jax_ep._ffi import side_done as ffi
 from jax_ep._types import DispatchHandle, DispatchOutput
 from jax_ep.ops import _backend
 from jax_ep.ops import dispatch as _d
@@ -61,8 +62,8 @@ class PendingCombine:
 def dispatch_start(x: Any, topk_idx: jax.Array, topk_weights: Optional[jax.Array] = None, *,
                    num_experts: int, axis_name: str = "ep", layout: str = "rank",
                    capacity: Optional[int] = None, expert_alignment: int = 1, fp8: bool = False,
-                   ue8m0: bool = False, num_sms: Optional[int] = None,
-                   recv_sms: Optional[int] = None,
+                   ue8m0: bool = False, num_sms: Optional[int] = 0,
+                   recv_sms: Optional[int] = 0,
                    backend: Optional[str] = None) -> PendingDispatch:
   """Starts `jax_ep.dispatch` (same arguments, no `handle`); see the module doc."""
   cfg, num_ranks, t = _d._dispatch_cfg(
@@ -97,8 +98,8 @@ def dispatch_done(pending: PendingDispatch, *, after: Any = None) -> DispatchOut
 
 
 def combine_start(y: jax.Array, handle: DispatchHandle, weights: Optional[jax.Array] = None, *,
-                  axis_name: str = "ep", num_sms: Optional[int] = None,
-                  recv_sms: Optional[int] = None,
+                  axis_name: str = "ep", num_sms: Optional[int] = 0,
+                  recv_sms: Optional[int] = 0,
                   backend: Optional[str] = None) -> PendingCombine:
   """Starts `jax_ep.combine` (same arguments); see the module doc."""
   cfg = _d._combine_cfg(y, handle, weights, axis_name=axis_name, backend=backend)
@@ -149,30 +150,27 @@ def _start_dispatch_impl(cfg, x, topk_idx, topk_weights) -> DispatchOutput:
         layout=cfg.layout, capacity=cfg.capacity, expert_alignment=cfg.expert_alignment,
         fp8=cfg.fp8, ue8m0=cfg.ue8m0))
 
-  cuda = _d._cuda_dispatch(cfg)
-  cuda_fn = None if cuda is None else (lambda comm: lambda x, i, w: cuda(comm)(x, i, w, None))
-  return _backend.run(cfg.backend, cfg.axis_name, reference, cuda_fn, x, topk_idx, topk_weights)
+  c = _d.choice(cfg, "dispatch_start")
+  kernel = lambda x, i, w: _d.kernel_dispatch(cfg, c.comm_id, x, i, w, None)
+  return _backend.run(c, reference, kernel, x, topk_idx, topk_weights)
 
 
-def _done_impl(cfg, cuda_available: bool, results, keep):
-  """results, waited for on CUDA (aliased through the done); else as they are."""
-  if not cuda_available:
+def _done_impl(cfg, results, keep):
+  """results, waited for on CUDA (aliased through the done); else as they are.
+  The done's choice is its start's: the same arguments, the same chooser."""
+  c = _d.choice(cfg, "*_done")
+  if not c.kernels:
     return results
 
   def reference(results, keep):
     del keep
     return results
 
-  def cuda(comm):
-    from jax_ep import _ffi
+  def kernel(results, keep):
+    leaves, tree = jax.tree.flatten(results)
+    return jax.tree.unflatten(tree, ffi.side_done(tuple(leaves), tuple(keep), comm_id=c.comm_id))
 
-    def fn(results, keep):
-      leaves, tree = jax.tree.flatten(results)
-      return jax.tree.unflatten(tree, _ffi.side_done_cuda(tuple(leaves), tuple(keep),
-                                                          comm_id=comm.comm_id))
-    return fn
-
-  return _backend.run(cfg.backend, cfg.axis_name, reference, cuda, results, keep)
+  return _backend.run(c, reference, kernel, results, keep)
 
 
 def _keep(*trees) -> tuple:
@@ -204,7 +202,7 @@ def _dispatch_done_impl(cfg, out, x, topk_weights, after) -> DispatchOutput:
   moved = (out.recv_x, out.recv_topk_idx, out.recv_topk_weights, out.counts, h.pos_in_rank,
            h.recv_src_rank, h.recv_src_token, h.recv_src_k, h.recv_counts)
   (recv_x, recv_idx, recv_w, counts, pos, src_rank, src_token, src_k, recv_counts) = _done_impl(
-      cfg, _d._cuda_dispatch(cfg) is not None, moved, _keep(x, h.topk_idx, topk_weights, after))
+      cfg, moved, _keep(x, h.topk_idx, topk_weights, after))
   h = dataclasses.replace(h, pos_in_rank=pos, recv_src_rank=src_rank, recv_src_token=src_token,
                           recv_src_k=src_k, recv_counts=recv_counts)
   w = None if topk_weights is None else recv_w.astype(topk_weights.dtype)
@@ -252,8 +250,7 @@ _combine_start_vjp.defvjp(_combine_start_fwd, _combine_start_bwd)
 
 
 def _combine_done_impl(cfg, out, y, handle, weights, after) -> jax.Array:
-  return _done_impl(cfg, _d._cuda_combine(cfg) is not None, out,
-                    _keep(y, handle, weights, after))
+  return _done_impl(cfg, out, _keep(y, handle, weights, after))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -6,7 +6,6 @@
 
 #include <cctype>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -144,22 +143,18 @@ void SetupOneDevice(DeviceResources& d) {
 static_assert(kEngramVersionCounter - kGinSnapshotCounter == kGinSignalCount,
               "one snapshot counter per GIN signal");
 
-// The transport choice: Communicator.create(transport=...), or where that
-// is not given (""), JAX_EP_TRANSPORT (debugging), read at every create so a
-// test can flip it in-process.
-struct TransportEnv {
+// The transport choice: Communicator.create(transport=...); "" is "auto".
+struct TransportChoice {
   bool force_gin = false;
   bool emulate_gin = false;
 };
-TransportEnv TransportFrom(const std::string& choice) {
-  const char* env = std::getenv("JAX_EP_TRANSPORT");
-  const std::string raw = !choice.empty() ? choice : env == nullptr ? "" : env;
-  std::string v = raw;
+TransportChoice TransportFrom(const std::string& choice) {
+  std::string v = choice;
   for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v.empty() || v == "auto") return {};
   if (v == "gin") return {true, false};
   if (v == "gin_emulated") return {true, true};
-  Fail(std::string(choice.empty() ? "JAX_EP_TRANSPORT=" : "transport=") + raw +
+  Fail("transport=" + choice +
        " is not understood: use 'auto' (the default: NVLink inside NCCL's LSA team, GIN "
        "beyond it), 'gin' (every remote peer over GIN, to test that path) or 'gin_emulated' "
        "(every remote peer through the GIN code path, carried over NVLink, to test it "
@@ -299,12 +294,6 @@ std::string Unprefixed(const std::exception& e) {
   return m.compare(0, prefix.size(), prefix) == 0 ? m.substr(prefix.size()) : m;
 }
 
-int FirstBit(uint32_t mask) {
-  for (int j = 0; j < 32; ++j)
-    if ((mask >> j) & 1u) return j;
-  return -1;
-}
-
 }  // namespace
 
 EpPeers DeviceResources::peers() const {
@@ -329,80 +318,6 @@ DeviceResources* CommResources::ForOrdinal(int device_ordinal) {
   for (auto& d : devices)
     if (d.device_ordinal == device_ordinal) return &d;
   return nullptr;
-}
-
-namespace {
-// What each field of an op's OpConfig record means (the kernels that fill
-// them: dispatch.cu, combine.cu, low_latency.cu, engram.cu); null: unused.
-const char* const* ConfigFieldNames(uint32_t op) {
-  static const char* const kNormal[kOpConfigFields] = {
-      "tokens per rank", "hidden", "topk", "num_experts",
-      "format (payload bytes | fp8 << 8 | expert layout << 16)"};
-  static const char* const kLowLatency[kOpConfigFields] = {
-      "tokens per rank", "hidden", "topk", "num_experts", "max_tokens",
-      "low-latency area offset / 256 (from reserved_bytes)", "fp8"};
-  static const char* const kEngram[kOpConfigFields] = {"rows per rank", "row bytes",
-                                                        "table offset / 16 (from reserved_bytes)"};
-  static const char* const kNone[kOpConfigFields] = {};
-  switch (static_cast<Op>(op)) {
-    case Op::kDispatch:
-    case Op::kCombine: return kNormal;
-    case Op::kLowLatencyDispatch:
-    case Op::kLowLatencyCombine: return kLowLatency;
-    case Op::kEngramFetch: return kEngram;
-    default: return kNone;
-  }
-}
-
-// ": hidden 7168 here, 4096 on EP rank 1; ..." from the two records the
-// kernel left next to the status word (config_check.cuh); it wrote them
-// before the word, so they are complete once the word is seen.
-std::string ConfigMismatchDetail(uint32_t* status_host, int peer) {
-  constexpr size_t kWords = kOpConfigBytes / 4;  // per record: tag, op, fields
-  uint32_t rec[2][kWords] = {};
-  volatile uint32_t* src = reinterpret_cast<volatile uint32_t*>(
-      reinterpret_cast<char*>(status_host) + kStatusReportOffset);
-  for (size_t i = 0; i < 2 * kWords; ++i) {
-    rec[i / kWords][i % kWords] = src[i];
-    src[i] = 0;
-  }
-  const std::string there = " on EP rank " + std::to_string(peer);
-  if (rec[1][1] == 0) {  // a GIN peer's record is not mapped here (ReadConfig)
-    return ": EP rank " + std::to_string(peer) + "'s values are not readable from here (GIN)";
-  }
-  if (rec[0][1] != rec[1][1] || rec[0][0] != rec[1][0]) {
-    // Another op's record, or another call's: the peer is elsewhere (ops
-    // with a barrier: the ranks called ops in different orders), or it
-    // went on to its next call before its record could be read.
-    return ": EP rank " + std::to_string(peer) + " is in another call at this point (the ranks "
-           "called jax_ep ops in different orders, or it went on before its values could be read)";
-  }
-  const char* const* names = ConfigFieldNames(rec[0][1]);
-  std::string out;
-  for (int i = 0; i < kOpConfigFields; ++i) {
-    if (rec[0][2 + i] == rec[1][2 + i]) continue;
-    out += (out.empty() ? ": " : "; ") + std::string(names[i] ? names[i] : "field") + " " +
-           std::to_string(rec[0][2 + i]) + " here, " + std::to_string(rec[1][2 + i]) + there;
-  }
-  return out;
-}
-}  // namespace
-
-std::string TakeStatusWord(uint32_t* status_host, int rank, int device_ordinal, double timeout_s,
-                           uint32_t* code_out) {
-  // The device writes the word with system-scope atomics through the
-  // mapping; a volatile read sees it without any stream synchronisation.
-  volatile unsigned long long* word = reinterpret_cast<volatile unsigned long long*>(status_host);
-  const unsigned long long v = *word;
-  const uint32_t code = static_cast<uint32_t>(v);
-  if (code_out != nullptr) *code_out = code;
-  if (code == 0) return "";
-  *word = 0;
-  std::string msg = DescribeStatus(code, rank, device_ordinal, timeout_s, v >> 32);
-  if (static_cast<Cause>((code >> 8) & 0xffu) == Cause::kConfigMismatch) {
-    msg += ConfigMismatchDetail(status_host, static_cast<int>(code & 0xffu));
-  }
-  return msg;
 }
 
 std::string CommResources::TakeStatusMessage(DeviceResources& dev) {
@@ -534,7 +449,7 @@ void CommResources::Close() {
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, double timeout_s,
                    bool checked, const std::string& transport_choice) {
   CheckVersion();
-  const TransportEnv transport = TransportFrom(transport_choice);
+  const TransportChoice transport = TransportFrom(transport_choice);
   if (groups.empty()) Fail("comm_create needs at least one EP group");
   if (!(timeout_s > 0)) Fail("timeout_s must be > 0");
   if (num_bytes <= kWindowHeaderBytes) {
@@ -618,7 +533,7 @@ int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes, doubl
   }
   // The first device that needs GIN speaks for the message when NCCL cannot
   // set it up (every rank of a group needs it or none does: LSA teams are
-  // symmetric, and JAX_EP_TRANSPORT is the same everywhere).
+  // symmetric, and every rank passes the same transport).
   int gin_dev_index = -1;
   for (size_t i = 0; i < res->devices.size() && gin_dev_index < 0; ++i)
     if (res->devices[i].gin_mask != 0 && !res->devices[i].gin_emulated) gin_dev_index = static_cast<int>(i);
@@ -706,207 +621,6 @@ std::shared_ptr<CommResources> LookupComm(int64_t comm_id) {
   std::lock_guard<std::mutex> lock(reg.mu);
   auto it = reg.comms.find(comm_id);
   return it == reg.comms.end() ? nullptr : it->second;
-}
-
-bool IsLostPeerStatus(uint32_t code) {
-  return static_cast<Cause>((code >> 8) & 0xffu) == Cause::kPeerTimeout && (code & 0x80u) == 0;
-}
-
-bool IsFatalStatus(uint32_t code) {
-  if (code == 0) return false;
-  switch (static_cast<Cause>((code >> 8) & 0xffu)) {
-    case Cause::kBadExpertId:
-    case Cause::kCapacityOverflow:
-    case Cause::kBadIndex:
-    case Cause::kStalePublication:
-    // The refusing rank stood in for this call's barriers (kernels/abort.h):
-    // the epochs are in step and it sent nothing. A mismatch is found
-    // before any row moves, and both ranks pass both barriers.
-    case Cause::kPeerRefused:
-    case Cause::kConfigMismatch:
-      return false;
-    case Cause::kPeerTimeout:
-      // 0x80: the peer took part but failed its own checks (it reports why);
-      // only a peer that did not arrive leaves the barriers out of step.
-      return (code & 0x80u) == 0;
-    default:
-      return true;
-  }
-}
-
-std::string DescribeStatus(uint32_t code, int rank, int device_ordinal, double timeout_s,
-                           unsigned long long call) {
-  const uint32_t op = (code >> 16) & 0xffffu;
-  const uint32_t cause = (code >> 8) & 0xffu;
-  const uint32_t detail = code & 0xffu;
-  const char* op_name = "unknown op";
-  switch (static_cast<Op>(op)) {
-    case Op::kNone: op_name = "(no op)"; break;
-    case Op::kLayout: op_name = "get_dispatch_layout"; break;
-    case Op::kProbe: op_name = "probe_all_to_all"; break;
-    case Op::kDispatch: op_name = "dispatch"; break;
-    case Op::kCombine: op_name = "combine"; break;
-    case Op::kLowLatencyDispatch: op_name = "low_latency_dispatch"; break;
-    case Op::kLowLatencyCombine: op_name = "low_latency_combine"; break;
-    case Op::kEngramFetch: op_name = "engram_fetch"; break;
-  }
-  // Plain string building: iostreams' locale machinery crashed here once
-  // (SIGSEGV inside ostream::operator<<(long) on the GPU image).
-  std::string msg = std::string("jax_ep ") + op_name + " (EP rank " + std::to_string(rank) +
-                    ", device " + std::to_string(device_ordinal) + "): ";
-  switch (static_cast<Cause>(cause)) {
-    case Cause::kBadExpertId:
-      msg += "expert id out of range [-1, E) in topk_idx";
-      break;
-    case Cause::kCapacityOverflow:
-      msg += "capacity overflow: more received rows than the static capacity; raise "
-             "`capacity` (or leave it None for the worst case)";
-      break;
-    case Cause::kPeerTimeout:
-      msg += "peer rank " + std::to_string(detail & 0x7fu) +
-             ((detail & 0x80u) ? " failed this call (see its own error)"
-                               : " did not arrive within " + std::to_string(timeout_s) + " s") +
-             " (the communicator's barriers may now be out of step: close it and create a new "
-             "one if later calls time out)";
-      break;
-    case Cause::kConfigMismatch:
-      msg += "EP rank " + std::to_string(detail) +
-             " called this op with another configuration (every rank must pass the same "
-             "shapes, dtypes and options); nothing was sent and the outputs are zeros";
-      break;
-    case Cause::kPeerRefused:
-      msg += "peer rank " + std::to_string(detail) +
-             " refused this call before running it (its own error says why); this call "
-             "stopped at once and returned zeros, and the communicator stays usable";
-      break;
-    case Cause::kBadIndex:
-      msg += "index out of range: a row index outside [-1, V) in the Engram indices (those "
-             "rows were returned as zeros)";
-      break;
-    case Cause::kStalePublication:
-      msg += "stale publication: the PublishedTable fetched from was superseded by a later "
-             "engram_publish (or fused engram_fetch) into the same window area, or overwritten "
-             "by a dispatch / combine / low-latency call whose window area reaches it (pass "
-             "their window need as reserved_bytes, or a larger window), or its publish failed; "
-             "those rows were returned as zeros";
-      break;
-    case Cause::kOutOfOrder:
-      msg += "a low-latency *_start came before the previous call's *_done (or the layout "
-             "changed while a call was pending): sends and receives of one op must alternate; "
-             "the communicator's low-latency state may be inconsistent";
-      break;
-    case Cause::kWindowTooSmall:
-      msg += "symmetric window too small for this call; create the Communicator with a larger "
-             "num_bytes (see get_buffer_size_hint)";
-      break;
-    case kGinUnavailable:
-      msg += "GIN asked of peer rank " + std::to_string(detail) +
-             ", which this communicator does not reach by GIN (a jax_ep bug)";
-      break;
-    default:
-      msg += "device error cause " + std::to_string(cause) + " (detail " + std::to_string(detail) + ")";
-  }
-  char hex[32];
-  std::snprintf(hex, sizeof(hex), " [status 0x%08x]", code);
-  // Which call: the n-th jax_ep op on this device since the Communicator was
-  // created (Communicator.info()[i]["calls"] is the count so far).
-  const std::string which =
-      call ? " [call " + std::to_string(call) + " on device " + std::to_string(device_ordinal) + "]" : "";
-  return msg + which + hex;
-}
-
-std::string NcclVersionString(int code) {
-  // NCCL_VERSION() packs X.Y.Z as X*1000+Y*100+Z up to 2.8 and X*10000+Y*100+Z after.
-  const int major = code >= 10000 ? code / 10000 : code / 1000;
-  const int minor = code >= 10000 ? (code % 10000) / 100 : (code % 1000) / 100;
-  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
-}
-
-namespace {
-
-// "" when nothing stands in GIN's way before it is set up.
-std::string GinSupportReason(GinSupport gin, int nccl_version) {
-  const std::string nccl = "NCCL " + NcclVersionString(nccl_version);
-  switch (gin) {
-    case GinSupport::kNotBuilt:
-      return "this jax_ep was built without NCCL's GIN device API (built against " + nccl +
-             " headers; GIN came with NCCL 2.28.7)";
-    case GinSupport::kNoDevice:
-      return nccl + " reports no GIN-capable network device for this communicator (GIN needs "
-             "an InfiniBand/RoCE NIC that NCCL drives with GPUDirect RDMA on every rank, and "
-             "NCCL_GIN_ENABLE not 0)";
-    case GinSupport::kRailOnly:
-      return nccl + " offers GIN only between GPUs on the same rail, and jax_ep needs a GIN "
-             "connection to every remote peer";
-    case GinSupport::kUntested:
-    case GinSupport::kAvailable:
-      break;
-  }
-  return "";
-}
-
-}  // namespace
-
-std::string NoTransportMessage(const TransportInputs& in, int peer, const std::string& gin_why) {
-  const int n = static_cast<int>(in.lsa_member.size());
-  int lsa_size = 0;
-  for (bool member : in.lsa_member) lsa_size += member ? 1 : 0;
-  const bool in_lsa = peer >= 0 && peer < n && in.lsa_member[peer];
-  std::string msg = "jax_ep: no transport from EP rank " + std::to_string(in.rank) + " (device " +
-                    std::to_string(in.device_ordinal) + ") to EP rank " + std::to_string(peer) +
-                    ": ";
-  if (in.emulate_gin) {
-    msg += "transport 'gin_emulated' (Communicator.create(transport=...) or "
-           "JAX_EP_TRANSPORT=gin_emulated) carries GIN over NVLink, and this peer is outside "
-           "NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) + " (" +
-           std::to_string(lsa_size) + " of " + std::to_string(n) + " ranks are in it). " +
-           gin_why + ". Use transport='auto' (and unset JAX_EP_TRANSPORT).";
-    return msg;
-  }
-  if (in.force_gin && in_lsa) {
-    msg += "transport 'gin' (Communicator.create(transport=...) or JAX_EP_TRANSPORT=gin) puts "
-           "every remote peer on GIN, although this one is in NCCL's "
-           "LSA (NVLink load/store) team";
-  } else {
-    msg += "it is outside NCCL's LSA (NVLink load/store) team of rank " + std::to_string(in.rank) +
-           ", which holds " + std::to_string(lsa_size) + " of " + std::to_string(n) +
-           " ranks (another host, or no NVLink/P2P path between the GPUs)";
-  }
-  msg += ", so it must be reached by GIN (GPU-initiated RDMA through a network card), but " +
-         gin_why + ". ";
-  if (in.force_gin) {
-    msg += "Use transport='auto' (and unset JAX_EP_TRANSPORT) to reach LSA peers over NVLink.";
-  } else {
-    msg += "Put the EP axis on GPUs of one NVLink domain, or run where every host has a "
-           "GIN-capable NIC, with jax_ep built against the NCCL (>= 2.28.7) that JAX loads.";
-  }
-  return msg;
-}
-
-TransportPlan PlanTransports(const TransportInputs& in) {
-  TransportPlan plan;
-  const int n = static_cast<int>(in.lsa_member.size());
-  plan.per_peer.assign(n, Transport::kLsa);
-  for (int j = 0; j < n; ++j) {
-    if (j == in.rank) {
-      plan.per_peer[j] = Transport::kSelf;
-    } else if (in.force_gin || !in.lsa_member[j]) {
-      plan.per_peer[j] = Transport::kGin;
-      plan.gin_mask |= 1u << j;
-    }
-  }
-  if (in.emulate_gin) {
-    // Emulated puts are NVLink stores: every GIN peer must be an LSA peer.
-    plan.gin_emulated = plan.gin_mask != 0;
-    for (int j = 0; j < n && plan.error.empty(); ++j) {
-      if (((plan.gin_mask >> j) & 1u) && !in.lsa_member[j])
-        plan.error = NoTransportMessage(in, j, "Emulated GIN needs every peer in that team");
-    }
-  } else if (plan.gin_mask != 0) {
-    const std::string why = GinSupportReason(in.gin, in.nccl_version);
-    if (!why.empty()) plan.error = NoTransportMessage(in, FirstBit(plan.gin_mask), why);
-  }
-  return plan;
 }
 
 ncclUniqueId NewUniqueId() {

@@ -6,12 +6,11 @@
 // Transport: each peer is reached by LSA (NVLink loads/stores) when it is in
 // NCCL's LSA team of this rank, otherwise by GIN (GPU-initiated RDMA through a
 // network card, kernels/gin.cuh) when this build and the communicator can do
-// GIN; when neither, CreateComm fails naming the peer and why. The variable
-// JAX_EP_TRANSPORT=gin (read at every create; the default is "auto") puts
-// every remote peer on GIN, to exercise the GIN branch on one host; it must
-// be set alike in every process of a group, since the device communicator is
-// created collectively with or without GIN. JAX_EP_TRANSPORT=gin_emulated
-// also puts every remote peer on GIN, but the kernels' GIN helpers carry
+// GIN; when neither, CreateComm fails naming the peer and why. The argument
+// transport="gin" (the default is "auto") puts every remote peer on GIN, to
+// exercise the GIN branch on one host; every process of a group must pass
+// the same, since the device communicator is created collectively with or
+// without GIN. transport="gin_emulated" also puts every remote peer on GIN, but the kernels' GIN helpers carry
 // the puts and signals over NVLink (gin.cuh), so the kernels' GIN branches
 // run, and are tested, on machines without a NIC; every peer must then be
 // in the LSA team.
@@ -36,15 +35,12 @@
 #include <vector>
 
 #include "engram_versions.h"
-#include "side_lane.h"
 #include "kernels/common.cuh"
+#include "side_lane.h"
+#include "status.h"
+#include "transport_plan.h"
 
 namespace jax_ep {
-
-// Number of LSA barriers (one per CTA that synchronises with its peers CTAs
-// through the device communicator). Kernels launching more CTAs than this must
-// not use ncclLsaBarrierSession with blockIdx.x as the index.
-constexpr int kLsaBarrierCount = 64;
 
 // Device-local counters, zeroed at create. Slot 0 backs EpPeers.epoch, slot
 // 1 the dispatch prep blocks (kDispatchPrepCounter), 2..15 the low-latency
@@ -57,45 +53,6 @@ constexpr int kGinSnapshotCounter = 64;
 static_assert(kCombineScanDoneCounter < kGinSnapshotCounter, "scanner counters overlap the GIN snapshot");
 constexpr int kEngramVersionCounter = kGinSnapshotCounter + kMaxRanks * 32;
 constexpr int kNumDeviceCounters = kEngramVersionCounter + 1 + kEngramSlots;
-
-// How one rank reaches another.
-enum class Transport : uint8_t { kSelf = 0, kLsa = 1, kGin = 2 };
-
-// What jax_ep knows about GIN for a communicator before asking NCCL for a
-// device communicator with GIN in it.
-enum class GinSupport : uint8_t {
-  kNotBuilt = 0,   // the NCCL headers of this build have no GIN device API
-  kUntested = 1,   // this NCCL cannot tell beforehand (2.28): creating it tells
-  kNoDevice = 2,   // NCCL found no GIN-capable network device on every rank
-  kRailOnly = 3,   // GIN only between GPUs of one rail; jax_ep needs all peers
-  kAvailable = 4,
-};
-
-struct TransportInputs {
-  int rank = 0;
-  int device_ordinal = -1;
-  std::vector<bool> lsa_member;  // by EP rank: in NCCL's LSA team of `rank`
-  bool force_gin = false;        // JAX_EP_TRANSPORT=gin or gin_emulated
-  bool emulate_gin = false;      // JAX_EP_TRANSPORT=gin_emulated (with force_gin)
-  GinSupport gin = GinSupport::kNotBuilt;
-  int nccl_version = 0;          // NCCL_VERSION_CODE, for messages
-};
-
-struct TransportPlan {
-  std::vector<Transport> per_peer;  // by EP rank
-  uint32_t gin_mask = 0;            // bit j: per_peer[j] == kGin
-  bool gin_emulated = false;        // those peers' GIN is emulated over NVLink
-  std::string error;                // non-empty: some peer has no transport
-};
-
-// Pure: the transport of every peer, or the message naming the first peer
-// that has none, why, and what to do.
-TransportPlan PlanTransports(const TransportInputs& in);
-// The message for a peer that needs GIN, when GIN cannot be had because of
-// `gin_why` (a clause, e.g. "NCCL 2.28.9 could not set up GIN: ...").
-std::string NoTransportMessage(const TransportInputs& in, int peer, const std::string& gin_why);
-// "2.28.9" for 22809.
-std::string NcclVersionString(int code);
 
 struct DeviceResources {
   int device_ordinal = -1;
@@ -110,7 +67,7 @@ struct DeviceResources {
   bool devcomm_created = false;
   char* peer_base[kMaxRanks] = {};  // LSA-mapped window of every LSA-reached rank
   uint32_t gin_mask = 0;            // bit j: rank j is reached by GIN
-  bool gin_emulated = false;        // JAX_EP_TRANSPORT=gin_emulated (gin.cuh)
+  bool gin_emulated = false;        // transport "gin_emulated" (gin.cuh)
   char* gin_emu_base[kMaxRanks] = {};  // emulated: every GIN peer's LSA-mapped window
   int lsa_team_size = 0;            // NCCL's LSA team of this rank, self included
   void* gin_dev = nullptr;          // cudaMalloc'ed GinComm when gin_mask != 0
@@ -196,33 +153,13 @@ struct GroupSpec {
 };
 
 // Throws std::runtime_error with a message naming the failing call/peer.
-// `transport`: "auto", "gin" or "gin_emulated" (docs/design.md §3); ""
-// takes JAX_EP_TRANSPORT (debugging), else "auto".
+// `transport`: "auto" (also ""), "gin" or "gin_emulated" (docs/design.md §3).
 int64_t CreateComm(const std::vector<GroupSpec>& groups, size_t num_bytes,
                    double timeout_s, bool checked = false, const std::string& transport = "");
 // Closes and unregisters; unknown ids are ignored (close() is idempotent).
 void DestroyComm(int64_t comm_id);
 // nullptr when unknown or already destroyed.
 std::shared_ptr<CommResources> LookupComm(int64_t comm_id);
-
-// "jax_ep <op> on rank r (device d): <cause>" for a non-zero status code.
-// An error after which the communicator's cross-rank state may be out of
-// step (a peer that did not arrive, low-latency calls out of order): the
-// next op is refused rather than run. After the others (bad ids, overflow, bad Engram
-// index, stale publication) the kernels left every shared word consistent,
-// so the next op runs, its peers do not wait for it, and then it reports.
-bool IsFatalStatus(uint32_t code);
-// A peer that did not arrive within the timeout (it may be gone): the
-// communicator is torn down without collective calls (CommResources::Close).
-bool IsLostPeerStatus(uint32_t code);
-// `call`: the number of the op that reported it on its device (0: unknown).
-std::string DescribeStatus(uint32_t code, int rank, int device_ordinal,
-                           double timeout_s, unsigned long long call = 0);
-// The message of the status word at `status_host` (mapped host memory,
-// EpPeers::status) with a configuration mismatch's two values, or "" when
-// it is 0; clears the word and the mismatch records. `code_out`: the code.
-std::string TakeStatusWord(uint32_t* status_host, int rank, int device_ordinal, double timeout_s,
-                           uint32_t* code_out = nullptr);
 
 ncclUniqueId NewUniqueId();
 // (compiled NCCL_VERSION_CODE, ncclGetVersion() of the loaded library)

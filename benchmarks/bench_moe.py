@@ -149,11 +149,18 @@ def jax_ep_shared_layer(x, router, w_in, w_out, *, shape: MoEShape, s_in, s_out,
   return (routed.astype(jnp.float32) + dense).astype(x.dtype)
 
 
-def native_dense_a2a_layer(x, router, w_in, w_out, *, shape: MoEShape, capacity_factor: float):
+def _gelu(h, dtype):
+  import jax
+  return jax.nn.gelu(h).astype(dtype)
+
+
+def native_dense_a2a_layer(x, router, w_in, w_out, *, shape: MoEShape, capacity_factor: float,
+                           act=_gelu):
   """A MoE layer in plain JAX: every token sent once to each rank that holds
   one of its experts (dense all_to_all of [R, T, H]), slots per local expert
   up to a capacity (pairs past it are dropped, as such layers do), padded
-  batched matmuls, then the weighted rows back the same way."""
+  batched matmuls, then the weighted rows back the same way. act(h f32,
+  dtype): the activation between the matmuls."""
   import jax.numpy as jnp
   from jax import lax
   from jax_ep import reference as ref
@@ -175,18 +182,18 @@ def native_dense_a2a_layer(x, router, w_in, w_out, *, shape: MoEShape, capacity_
   cap = int(np.ceil(capacity_factor * n * k / shape.experts / 8) * 8)
   pair_row = jnp.arange(n * k, dtype=jnp.int32) // k
   got = _capacity_experts(rx, pair_row, jnp.where(re >= 0, re, e_l), re >= 0, w_in, w_out,
-                          e_l=e_l, cap=cap)
+                          e_l=e_l, cap=cap, act=act)
   rows = jnp.sum(got.reshape(n, k, h).astype(jnp.float32) * rw.reshape(n, k, 1), axis=1)
   back = a2a(rows.reshape(r_count, t, h))                           # [R(dest ranks), T, H]
   return jnp.sum(back, axis=0).astype(x.dtype)
 
 
-def _capacity_experts(rows, row_of, local_e, valid, w_in, w_out, *, e_l: int, cap: int):
+def _capacity_experts(rows, row_of, local_e, valid, w_in, w_out, *, e_l: int, cap: int,
+                      act=_gelu):
   """Pair p (row rows[row_of[p]], local expert local_e[p]) gets a slot of its
   expert up to `cap` (pairs past it dropped), padded batched matmuls, and
   each pair's output back in pair order (zeros when dropped or invalid):
   the expert part both native layers share."""
-  import jax
   import jax.numpy as jnp
   h = rows.shape[1]
   onehot = (local_e[:, None] == jnp.arange(e_l, dtype=jnp.int32)[None, :]).astype(jnp.int32)
@@ -198,7 +205,7 @@ def _capacity_experts(rows, row_of, local_e, valid, w_in, w_out, *, e_l: int, ca
   xin = jnp.where((src >= 0)[:, None], rows[jnp.maximum(src, 0)], jnp.zeros((), rows.dtype))
   hid = jnp.einsum("ech,ehf->ecf", xin.reshape(e_l, cap, h), w_in,
                    preferred_element_type=jnp.float32)
-  y = jnp.einsum("ecf,efh->ech", jax.nn.gelu(hid).astype(rows.dtype), w_out).reshape(e_l * cap, h)
+  y = jnp.einsum("ecf,efh->ech", act(hid, rows.dtype), w_out).reshape(e_l * cap, h)
   return jnp.where(keep[:, None], y[jnp.minimum(slot, e_l * cap - 1)], jnp.zeros((), y.dtype))
 
 
@@ -571,6 +578,8 @@ def main(argv=None) -> int:
   ap.add_argument("--sweep", action="store_true", help="tokens 512..4096, writes a PNG")
   ap.add_argument("--impls", default=None,
                   help="comma list of layers to time (jax_ep_shared: the overlap pair); default all")
+  ap.add_argument("--activation", choices=("gelu", "swiglu"), default="gelu",
+                  help="swiglu: nn.MoE with SwiGLU experts, bf16 against FP8 (moe_swiglu.py)")
   ap.add_argument("--no-ragged-modes", action="store_true",
                   help="skip the ragged layer's symmetric-memory run in its own process")
   args = ap.parse_args(argv)
@@ -580,10 +589,15 @@ def main(argv=None) -> int:
     return 2
   sizes = [512, 1024, 2048, 4096] if args.sweep else [args.tokens or 4096]
   records = []
+  if args.activation == "swiglu":
+    import moe_swiglu
+    for t in sizes:
+      records += moe_swiglu.run(MoEShape(tokens=t), quick=args.quick, impls=impls)
+    sizes = []
   for t in sizes:
     records += run(MoEShape(tokens=t), quick=args.quick, check=(t == sizes[0]), impls=impls)
   ragged = "jax_native_ragged_a2a"
-  if not args.no_ragged_modes and (impls is None or ragged in impls):
+  if args.activation == "gelu" and not args.no_ragged_modes and (impls is None or ragged in impls):
     records += symmetric_memory_ragged(args.tokens or 4096, quick=args.quick)
   for r in records:
     if r.get("impl") == "expert_gemms":  # jax_ep's grouped matmuls, named for what they floor

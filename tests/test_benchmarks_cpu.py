@@ -63,6 +63,27 @@ def test_moe_bench_variants_agree_on_cpu():
   assert n > 0
 
 
+def test_moe_swiglu_run_records_every_variant_next_to_its_floor_on_cpu():
+  """bench_moe --activation swiglu at a small shape on CPU devices: every
+  variant runs (nn.MoE on the reference), each record carries its floor
+  from the dense rates measured in the run, and the ratios to bf16 and to
+  the JAX-native layer are filled in (over every CPU device)."""
+  bm, sw = _bench("bench_moe"), _bench("moe_swiglu")
+  shape = bm.MoEShape(tokens=32, hidden=128, ffn=128, experts=8, topk=2)
+  records = sw.run(shape, quick=True)
+  impls = {r["impl"]: r for r in records}
+  assert set(impls) == {"jax_ep", "jax_ep_fp8", "jax_ep_fp8_cached", "jax_ep_fp8_weight_cast",
+                        "jax_native_dense_a2a", "jax_ep_inference", "jax_ep_fp8_inference"}
+  for impl, r in impls.items():
+    assert r["activation"] == "swiglu" and r["time_us"] > 0, impl
+    if r["kind"] != "cast":
+      assert r["floor_us"] > 0 and r["share_of_floor"] > 0, impl
+  assert impls["jax_ep"]["speedup_vs_jax_ep_bf16"] == 1.0
+  assert impls["jax_ep_fp8_inference"]["speedup_vs_jax_ep_bf16"] > 0
+  assert impls["jax_ep_fp8"]["speedup_vs_jax_native"] > 0
+  assert impls["jax_ep_fp8"]["gemm_tflops"] == pytest.approx(3 * impls["jax_ep_inference"]["gemm_tflops"])
+
+
 def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):
   """bench_grouped_gemm's trace reader on a synthetic Perfetto trace: only
   GPU-timeline kernel events count, grouped by family, per call."""

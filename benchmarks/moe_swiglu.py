@@ -1,0 +1,192 @@
+"""bench_moe's SwiGLU run (`bench_moe.py --activation swiglu`): jax_ep.nn.MoE
+itself with SwiGLU experts, bf16 against FP8, training steps and inference
+forwards, each next to its floor.
+
+Shape (docs/design.md §6): T = 4096 tokens/rank, H = 7168, w13 [E_l, 7168,
+4096], w2 [E_l, 2048, 7168], top-8 of 256, bf16 weights (the FP8 layer's
+master copies) over every GPU found. Every variant shares the same weight
+arrays; each is warmed up before any is timed. Impls (bench = moe_step,
+activation = swiglu):
+
+  jax_ep                 nn.MoE(precision="bf16"): forward + backward
+  jax_ep_fp8             nn.MoE(precision="fp8"), the weights cast to their
+                         FP8 blocks inside the step
+  jax_ep_fp8_cached      the same step with the blocks cast once before
+                         (layer.fp8_weights(), as once per optimizer update)
+  jax_ep_fp8_weight_cast layer.fp8_weights() alone: what the in-step cast costs
+  jax_native_dense_a2a   the JAX-native layer (dense all_to_all, capacity-
+                         padded einsums) with the same SwiGLU experts
+  jax_ep_inference       the bf16 layer's forward alone
+  jax_ep_fp8_inference   the forward with held FP8 blocks (to_fp8_inference)
+
+floor_us: the step's expert GEMMs (T*K rows per rank through w13 and w2;
+forward only for inference, forward + dgrad + wgrad for the steps) at the
+dense bf16 or e4m3 matmul rate measured in the same run (XLA's dot,
+cuBLAS(Lt)), and share_of_floor = floor_us / time_us.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import numpy as np
+
+import bench_moe as bm
+import bench_normal as bn
+
+def gemm_flops(shape: "bm.MoEShape") -> float:
+  """Forward FLOPs of one rank's routed expert GEMMs at T*K rows: 2*M*H*2F
+  (w13) + 2*M*F*H (w2)."""
+  m = shape.tokens * shape.topk
+  return 2.0 * m * shape.hidden * 3 * shape.ffn
+
+
+def dense_rates(shape: "bm.MoEShape", quick: bool) -> dict:
+  """FLOP/s of a dense [T*K, H] @ [H, 2F] matmul in bf16 and in e4m3 (bf16
+  out), timed here: the rates the floors use."""
+  import jax
+  import jax.numpy as jnp
+  m, k, n = shape.tokens * shape.topk, shape.hidden, 2 * shape.ffn
+  ka, kb = jax.random.split(jax.random.key(11))
+  a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+  b = (jax.random.normal(kb, (k, n), jnp.bfloat16) / np.sqrt(k)).astype(jnp.bfloat16)
+  dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
+  a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
+  rates = {}
+  for name, fn, args in (("bf16", dot, (a, b)), ("fp8", dot, (a8, b8))):
+    jax.block_until_ready(fn(*args))
+    t = bn.time_or_none(f"dense_{name}", fn, args, quick)
+    rates[name] = None if t is None else 2.0 * m * k * n / t
+  return rates
+
+
+def _layer(shape, mesh, precision: str, *, backend=None):
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax_ep.nn import MoE
+  return MoE(shape.hidden, shape.ffn, shape.experts, shape.topk, mesh=mesh,
+             activation="swiglu", precision=precision, backend=backend,
+             dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, expert_alignment=shape.align,
+             rngs=nnx.Rngs(0))
+
+
+def _share_weights(dst, src) -> None:
+  """dst's expert weights and router become src's arrays (no copy)."""
+  from flax import nnx
+  for name in ("router", "w13", "w2"):
+    setattr(dst, name, nnx.Param(getattr(src, name)[...]))
+
+
+def _loss_step(graphdef, *, cached: bool):
+  """jit(value_and_grad) of mean(out²) w.r.t. the layer's Params."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  def loss(params, rest, x, q):
+    m = nnx.merge(graphdef, params, rest)
+    y = m(x, fp8_weights=q) if cached else m(x)
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  return jax.jit(jax.value_and_grad(loss))
+
+
+def _forward(graphdef):
+  import jax
+  from flax import nnx
+  return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+
+def native_swiglu_layer(x, router, w13, w2, *, shape, capacity_factor: float):
+  """bench_moe's JAX-native dense all_to_all layer with SwiGLU experts."""
+  from jax_ep.nn.moe import swiglu
+  return bm.native_dense_a2a_layer(x, router, w13, w2, shape=shape,
+                                   capacity_factor=capacity_factor,
+                                   act=lambda h, dtype: swiglu(h.astype(dtype)))
+
+
+def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
+        impls: Optional[list[str]] = None) -> list[dict]:
+  """Times the SwiGLU variants (or those in `impls`); returns their records."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()), ("ep",))
+  r_count = mesh.size
+  want = lambda impl: impls is None or impl in impls  # noqa: E731
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (r_count * shape.tokens, shape.hidden),
+                                       jnp.bfloat16), NamedSharding(mesh, P("ep")))
+  bf16 = _layer(shape, mesh, "bf16", backend=backend)
+  fp8 = _layer(shape, mesh, "fp8", backend=backend)
+  _share_weights(fp8, bf16)
+  g16, p16, rest16 = nnx.split(bf16, nnx.Param, ...)
+  g8, p8, rest8 = nnx.split(fp8, nnx.Param, ...)
+  cast = jax.jit(lambda state: nnx.merge(nnx.graphdef(fp8), state).fp8_weights())
+  state8 = nnx.state(fp8)
+  q = cast(state8)
+  runs = {}   # impl -> (fn, args, kind, precision)
+  if want("jax_ep"):
+    runs["jax_ep"] = (_loss_step(g16, cached=False), (p16, rest16, x, None), "step", "bf16")
+  if want("jax_ep_fp8"):
+    runs["jax_ep_fp8"] = (_loss_step(g8, cached=False), (p8, rest8, x, None), "step", "fp8")
+  if want("jax_ep_fp8_cached"):
+    runs["jax_ep_fp8_cached"] = (_loss_step(g8, cached=True), (p8, rest8, x, q), "step", "fp8")
+  if want("jax_ep_fp8_weight_cast"):
+    runs["jax_ep_fp8_weight_cast"] = (cast, (state8,), "cast", "fp8")
+  if want("jax_native_dense_a2a"):
+    # The router is the layer's; the native layer routes with plain top-k
+    # softmax as nn.MoE's default score_fn does.
+    layer = functools.partial(native_swiglu_layer, shape=shape,
+                              capacity_factor=shape.capacity_factor)
+    router = jax.device_put(jnp.broadcast_to(bf16.router[...], (r_count, *bf16.router.shape)),
+                            NamedSharding(mesh, P("ep")))
+    params = (router, bf16.w13[...], bf16.w2[...])
+    runs["jax_native_dense_a2a"] = (bm.make_step(layer, mesh), (params, x), "step", "bf16")
+  if want("jax_ep_inference"):
+    runs["jax_ep_inference"] = (_forward(nnx.graphdef(bf16)), (nnx.state(bf16), x), "forward",
+                                "bf16")
+  if want("jax_ep_fp8_inference"):
+    held = _layer(shape, mesh, "fp8", backend=backend)
+    _share_weights(held, bf16)
+    held.to_fp8_inference()
+    runs["jax_ep_fp8_inference"] = (_forward(nnx.graphdef(held)), (nnx.state(held), x),
+                                    "forward", "fp8")
+  for impl, (fn, args, _, _) in list(runs.items()):
+    try:
+      jax.block_until_ready(fn(*args))
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"  {impl}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      runs[impl] = (None, args, runs[impl][2], runs[impl][3])
+  rates = dense_rates(shape, quick)
+  fwd = gemm_flops(shape)
+  records, times = [], {}
+  for impl, (fn, args, kind, precision) in runs.items():
+    t = None if fn is None else bn.time_or_none(impl, fn, args, quick, max_iters=5)
+    times[impl] = t
+    flops = {"step": 3 * fwd, "forward": fwd, "cast": 0.0}[kind]
+    rate = rates.get(precision)
+    floor = None if (rate is None or not flops) else flops / rate
+    records.append(dict(
+        bench="moe_step", impl=impl, activation="swiglu", dtype=precision, kind=kind,
+        tokens_per_rank=shape.tokens, hidden=shape.hidden, ffn=shape.ffn, topk=shape.topk,
+        experts=shape.experts, ranks=r_count, time_us=None if t is None else t * 1e6,
+        tokens_per_s=None if t is None else r_count * shape.tokens / t,
+        gemm_tflops=flops / 1e12, floor_us=None if floor is None else floor * 1e6,
+        share_of_floor=None if (floor is None or t is None) else floor / t,
+        dense_tflops_per_s=None if rate is None else rate / 1e12,
+        dropped_pairs=None, capacity_factor=(shape.capacity_factor
+                                             if impl.startswith("jax_native") else None)))
+  base = {"step": times.get("jax_ep"), "forward": times.get("jax_ep_inference")}
+  native = times.get("jax_native_dense_a2a")
+  for r in records:
+    t, b = times[r["impl"]], base.get(r["kind"])
+    r["speedup_vs_jax_ep_bf16"] = None if (t is None or b is None) else b / t
+    if r["kind"] == "step":
+      r["speedup_vs_jax_native"] = None if (t is None or native is None) else native / t
+    share, up = r["share_of_floor"], r["speedup_vs_jax_ep_bf16"]
+    timing = "-" if t is None else f"{t * 1e3:9.2f} ms"
+    print(f"  T={shape.tokens:5d} {r['impl']:24s} {timing:>12s}"
+          + ("" if share is None else f"  {share:.2f} of its floor")
+          + ("" if up is None else f"  x{up:.2f} vs bf16"), flush=True)
+  return records

@@ -127,3 +127,41 @@ def test_train_step_compiles_once_and_stays_finite(precision):
     losses.append(float(loss))
   assert step._cache_size() == 1
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def _forward(model, x, **kw):
+  return np.asarray(nnx.jit(lambda m, x: m(x, **kw))(model, x), np.float32)
+
+
+def _decode(model, x):
+  return np.asarray(nnx.jit(lambda m, x: m.decode(x))(model, x), np.float32)
+
+
+def test_fp8_inference_forms_on_the_kernels_match_the_reference_backend():
+  """Cached blocks (the weight-cast kernel), held blocks and the decode
+  path (low-latency FP8 dispatch -> masked FP8 GEMMs -> low-latency
+  combine) on the kernels against the same forms on the reference backend,
+  and the cached step equal to the in-step cast on the kernels."""
+  x = _x(256)
+  kern, ref = _model(None, precision="fp8"), _model("reference", precision="fp8")
+  want = _forward(ref, x)
+  step = _forward(kern, x)
+  assert _rel(step, want) < 3e-2
+  q = nnx.jit(lambda m: m.fp8_weights())(kern)
+  np.testing.assert_array_equal(_forward(kern, x, fp8_weights=q), step)
+  want_decode, got_decode = _decode(ref, x), _decode(kern, x)
+  assert np.all(np.isfinite(got_decode))
+  assert _rel(got_decode, want_decode) < 3e-2
+  assert _rel(got_decode, step) < 3e-2
+  kern.to_fp8_inference()
+  np.testing.assert_array_equal(_forward(kern, x), step)
+  assert _rel(_decode(kern, x), want_decode) < 3e-2
+  graph, state = nnx.split(kern)
+  hlo = jax.jit(lambda s, x: nnx.merge(graph, s).decode(x)).lower(state, x).as_text()
+  assert "jax_ep_ll_dispatch" in hlo and "jax_ep_grouped_gemm_fp8" in hlo
+
+
+def test_bf16_decode_on_the_kernels_matches_the_forward():
+  x = _x(256)
+  model = _model(None)
+  assert _rel(_decode(model, x), _forward(model, x)) < 2e-2

@@ -531,6 +531,35 @@ def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_call
       again()
 
 
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_gin_peer_of_a_refusing_rank_fails_at_once_then_next_calls_work(op):
+  """barrier.cuh refuse_barriers over emulated GIN: rank 1 puts its refused
+  flag ahead of one control signal per barrier it stands in for, so rank 0,
+  whose barrier counts signals, names the refusal at once instead of timing
+  out, and the signal counts stay equal to the epochs for the next calls."""
+  R = 2
+  rng = np.random.default_rng(stable_seed("loopback-refuse-gin", op))
+  T, H, K, E = 64, 256, 4, 16
+  with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0, gin_emulated=True) as lb:
+    payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
+    C = R * T
+    outs = None
+    if op == "combine":
+      outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
+      y = oracle.make_x(rng, (R, C, H), BF16)
+    t0 = time.monotonic()
+    if op == "dispatch":
+      got, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank", check=False, refuse=[1])
+    else:
+      got, reports = lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, refuse=[1])
+    took = time.monotonic() - t0
+    assert "peer rank 1 refused this call" in reports[0], reports
+    assert reports[1] == "", reports
+    assert took < 2.5, f"{op}: the GIN peer of a refusing rank returned after {took:.1f} s"
+    for _ in range(3):
+      _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
 @pytest.mark.parametrize("R,skip,op", [(2, 1, "dispatch"), (4, 2, "dispatch"), (2, 0, "combine")])
 def test_a_rank_that_skips_the_call_is_reported_by_its_peers_within_the_timeout(R, skip, op):
   import time

@@ -123,13 +123,13 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
 // it is safe to stand in for those barriers: this process drives just this
 // rank (one process runs the same program on all its devices, so they refuse
 // alike, and XLA need not run the other devices' part of a failed program),
-// no peer is on GIN (whose barriers count signals the stand-in does not
-// send), no start is pending (its kernels share the epoch counter), and
+// no start is pending (its kernels share the epoch counter), and
 // AcquireDevice itself did not refuse (after a fatal error the epochs may
 // already be out of step). Launched() goes before the launches: once any
 // kernel of the op is enqueued it takes part in the barriers itself.
 // A low-latency sending call (`low_latency` = its op) has no barrier to
-// stand in for: it stands in for the call itself (abort.h LaunchLlRefusal).
+// stand in for: it stands in for the call itself (abort.h LaunchLlRefusal),
+// through LSA stores only, so not where a peer is on GIN.
 class RefusalNotice {
  public:
   RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers, Op low_latency = Op::kNone)
@@ -139,7 +139,8 @@ class RefusalNotice {
   ~RefusalNotice() {
     const DeviceResources* d = lease_.dev;
     if (armed_ && d != nullptr && d->counters != nullptr && lease_.comm->devices.size() == 1 &&
-        d->nranks > 1 && d->gin_mask == 0 && d->side.pending == nullptr) {
+        d->nranks > 1 && (low_latency_ == Op::kNone || d->gin_mask == 0) &&
+        d->side.pending == nullptr) {
       // best effort
       if (low_latency_ == Op::kNone) LaunchRefusedBarriers(d->peers(), barriers_, stream_);
       else LaunchLlRefusal(d->peers(), low_latency_ == Op::kLowLatencyCombine, d->counters, stream_);

@@ -9,10 +9,11 @@ namespace {
 
 __global__ void RefusedBarriersKernel(const __grid_constant__ EpPeers p, int barriers) {
   if (threadIdx.x != 0) return;
+  const uint64_t first = *p.epoch + 1;
   const uint64_t last = *p.epoch + static_cast<uint64_t>(barriers);
   *p.epoch = last;
   __threadfence_system();
-  refuse_barriers(p, last);
+  refuse_barriers(p, first, last);
 }
 
 }  // namespace

@@ -6,13 +6,15 @@
 // The refusing rank stands in for the `barriers` barriers the call's kernels
 // pass when their first barrier fails (every op enters the same number
 // then), so the epochs stay in step: its epoch advances by `barriers`, and
-// its flag in every LSA peer's window becomes (its last epoch |
-// kBarrierRefusedBit). A peer waiting at any of those barriers sees the bit
-// and fails with Cause::kPeerRefused at once; at the next call's barrier the
-// flag is below the epoch waited for and the peer waits as usual. If every
-// rank refuses, every epoch advances alike and nobody waits. Only where that
+// its flag in every peer's window becomes (its last epoch |
+// kBarrierRefusedBit), stored to an LSA peer, put to a GIN peer ahead of one
+// control signal per barrier (barrier.cuh refuse_barriers). A peer waiting at
+// any of those barriers sees the bit and fails with Cause::kPeerRefused at
+// once; at the next call's barrier the flag is below the epoch waited for
+// and the peer waits as usual. If every rank refuses, every epoch advances
+// alike and nobody waits. Only where that
 // stand-in is safe (handlers/state.h RefusalNotice): one rank per process,
-// no GIN peer, no start pending, not a refusal after a fatal error.
+// no start pending, not a refusal after a fatal error.
 //
 // It covers the refused op only. A refusal ends the refusing rank's whole
 // program; in deferred mode a peer goes on to the program's next op with a

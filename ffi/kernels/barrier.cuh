@@ -5,7 +5,9 @@
 // i.e. its epoch, since signals and epochs both start at 0 at create and
 // every barrier (also a failing one) sends exactly one. The control words a
 // rank puts to a GIN peer just before (ep_copy.cuh) travel on the same
-// context, so the barrier signal vouches for them too.
+// context, so the barrier signal vouches for them too; so does a refusing
+// rank's flag (refuse_barriers), which is why a GIN peer's flag is read only
+// once the signal count has arrived.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +50,16 @@ __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
     const uint32_t sig = GinSignalId(r, kGinControlChannel);
     for (;;) {
       if (gin) {
-        if (GinReached(GinReadSignal(p, op, sig), e)) break;
+        if (GinReached(GinReadSignal(p, op, sig), e)) {
+          // Only a refusal puts a GIN peer's flag, so it may still hold an
+          // old refusal: the bit counts only with an epoch this far.
+          const uint64_t v = ld_acquire_sys(mine + r);
+          if ((v & kBarrierRefusedBit) && (v & ~kBarrierRefusedBit) >= e) {
+            report_error(p, op, Cause::kPeerRefused, static_cast<uint32_t>(r));
+            return false;
+          }
+          break;
+        }
       } else {
         const uint64_t v = ld_acquire_sys(mine + r);
         if ((v & ~kBarrierRefusedBit) >= e) {
@@ -69,16 +80,29 @@ __device__ inline bool rank_barrier(const EpPeers& p, Op op) {
   return true;
 }
 
-// A rank that refuses its call (abort.h) stands in for every barrier up to
-// epoch `last` (its epoch is already there): LSA peers find the refused bit
-// in its flag and fail at once. A GIN peer's barrier counts control signals
-// only and learns nothing from a flag, so it waits until its timeout; giving
-// it the bit (a flag put before the signals) is still to do. One thread,
-// after a system fence.
-__device__ inline void refuse_barriers(const EpPeers& p, uint64_t last) {
+// A rank that refuses its call (abort.h) stands in for its barriers
+// first..last (its epoch is already at last): LSA peers find the refused bit
+// in its flag and fail at once. A GIN peer counts control signals, so it gets
+// one per barrier stood in for, keeping its count equal to this rank's epoch;
+// the flag word goes first on the same context, and the first signal vouches
+// for it, so the peer's barrier finds the bit as soon as its count arrives.
+// The word is put from this rank's own flag slot, which its next barrier
+// overwrites: the flush lets that happen. One thread, after a system fence.
+__device__ inline void refuse_barriers(const EpPeers& p, uint64_t first, uint64_t last) {
   for (int r = 0; r < p.nranks; ++r) {
     if (!ReachedByGin(p, r)) st_relaxed_sys(barrier_flags(p, r) + p.rank, last | kBarrierRefusedBit);
   }
+  if (!AnyGinPeer(p)) return;
+  // This rank is never a GIN peer of its own, so the loop above has written
+  // the word into its own slot, the put's source.
+  const size_t off = kBarrierFlagsOffset + sizeof(uint64_t) * p.rank;
+  const uint32_t sig = GinSignalId(p.rank, kGinControlChannel);
+  for (int r = 0; r < p.nranks; ++r) {
+    if (!ReachedByGin(p, r)) continue;
+    if (!GinPutQuiet(p, Op::kNone, r, off, off, sizeof(uint64_t), sig)) continue;
+    for (uint64_t e = first; e <= last; ++e) GinPut(p, Op::kNone, r, 0, 0, 0, sig);
+  }
+  GinFlush(p, 1u << kGinControlChannel);
 }
 
 }  // namespace jax_ep

@@ -271,6 +271,22 @@ __device__ inline void GinFlushWarp(const EpPeers& p, uint32_t channels) {
 #endif
 }
 
+// GinFlushWarp by one thread, for a put issued by one thread (GinPut,
+// GinPutQuiet) whose source word this rank overwrites soon after.
+__device__ inline void GinFlush(const EpPeers& p, uint32_t channels) {
+#if JAX_EP_HAVE_GIN
+  if (p.gin_emulated || p.gin == nullptr) return;
+  const GinComm& g = gin_detail::Comm(p);
+  for (uint32_t m = channels; m; m &= m - 1) {
+    ncclGin gin(g.devcomm, GinContextOf(static_cast<uint32_t>(__ffs(m) - 1)));
+    gin.flush(ncclCoopThread{});
+  }
+#else
+  (void)p;
+  (void)channels;
+#endif
+}
+
 // This rank's count of signal `signal` (acquire: the puts it vouches for are
 // visible to this thread once it has seen their increments). 0, after
 // reporting, where GIN cannot be had.

@@ -105,4 +105,34 @@ __device__ inline void refuse_barriers(const EpPeers& p, uint64_t first, uint64_
   GinFlush(p, 1u << kGinControlChannel);
 }
 
+// Each rank writes (epoch-tag, ok ? ok_value : 0) into every rank's ok[my
+// rank], then a rank barrier. Afterwards ok[s] in my window tells whether
+// source s is ready to send; `ok_value` (odd, so never 0) also carries what
+// the ranks must agree on (config_check.cuh's digest). One thread. (A GIN
+// peer's copy goes out from my own ok[my rank], which holds the same word.)
+__device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool ok, uint32_t ok_value,
+                                           Op op) {
+  const uint64_t tag = *p.epoch + 1;  // the epoch rank_barrier is about to use
+  const uint64_t word = MakeTagged(tag, ok ? ok_value : 0u);
+  const size_t slot = ok_off + sizeof(uint64_t) * p.rank;
+  StU64Volatile(reinterpret_cast<uint64_t*>(MyWindow(p) + slot), word);
+  for (int j = 0; j < p.nranks; ++j)
+    if (j != p.rank) PutControlWord(p, j, slot, slot, word, op);
+  __threadfence_system();
+  rank_barrier(p, op);
+}
+
+// After PublishOkAndBarrier: did every source publish this rank's own
+// `ok_value` for this epoch? Returns -1 when all did, else the first that
+// did not. One thread.
+__device__ inline int FirstPeerNotOk(const EpPeers& p, size_t ok_off, uint32_t ok_value) {
+  const uint64_t tag = *p.epoch;
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(MyWindow(p) + ok_off);
+  for (int s = 0; s < p.nranks; ++s) {
+    const uint64_t w = LdU64Volatile(slots + s);
+    if (!TagMatches(w, tag) || static_cast<uint32_t>(w) != ok_value) return s;
+  }
+  return -1;
+}
+
 }  // namespace jax_ep

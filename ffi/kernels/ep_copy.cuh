@@ -1,7 +1,7 @@
 // Device helpers shared by the normal dispatch / combine kernels: 16-byte
-// global loads/stores with cache hints, tagged control words, warp helpers,
-// and the tiny "publish ok + rank barrier" kernel both ops end their push
-// phase with.
+// global loads/stores with cache hints, warp helpers, chunk counters. The
+// control words and the "publish ok + rank barrier" step are peer verbs
+// (peer.cuh, barrier.cuh).
 #pragma once
 
 #include <cstdint>
@@ -80,22 +80,6 @@ __device__ __forceinline__ void StoreChunk(uint4* dst, int base, int nvec, int l
   }
 }
 
-__device__ __forceinline__ void StU64Volatile(uint64_t* ptr, uint64_t v) {
-  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t LdU64Volatile(const uint64_t* ptr) {
-  uint64_t v;
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint64_t MakeTagged(uint64_t tag, uint32_t value) {
-  return (tag << 32) | value;
-}
-__device__ __forceinline__ bool TagMatches(uint64_t word, uint64_t tag) {
-  return (word >> 32) == (tag & 0xffffffffull);
-}
-
 __device__ __forceinline__ int LaneId() { return threadIdx.x & 31; }
 
 // Pointer held by lane `src` (all lanes participate).
@@ -109,39 +93,6 @@ __device__ __forceinline__ P* ShflPtr(P* ptr, int src) {
 __device__ __forceinline__ int NthSetBit(unsigned mask, int n) {
   for (int i = 0; i < n; ++i) mask &= mask - 1;
   return __ffs(mask) - 1;
-}
-
-// A control word for rank j at window offset `off` (u64): LSA peers get a
-// store; a GIN peer gets a quiet put on the control channel from offset
-// `stage_off` of this rank's window, where the caller has written the same
-// word, so the next barrier signal vouches for it. One thread, before that
-// barrier; the caller fences (__threadfence_system) before the barrier.
-__device__ inline void PutControlWord(const EpPeers& p, int j, size_t off, size_t stage_off,
-                                      uint64_t word, Op op) {
-  if (ReachedByGin(p, j)) {
-    StU64Volatile(reinterpret_cast<uint64_t*>(MyWindow(p) + stage_off), word);
-    __threadfence();
-    GinPutQuiet(p, op, j, off, stage_off, sizeof(uint64_t), GinSignalId(p.rank, kGinControlChannel));
-  } else {
-    StU64Volatile(reinterpret_cast<uint64_t*>(PeerWindow(p, j) + off), word);
-  }
-}
-
-// Each rank writes (epoch-tag, ok ? ok_value : 0) into every rank's ok[my
-// rank], then a rank barrier. Afterwards ok[s] in my window tells whether
-// source s is ready to send; `ok_value` (odd, so never 0) also carries what
-// the ranks must agree on (config_check.cuh's digest). One thread. (A GIN
-// peer's copy goes out from my own ok[my rank], which holds the same word.)
-__device__ inline void PublishOkAndBarrier(const EpPeers& p, size_t ok_off, bool ok, uint32_t ok_value,
-                                           Op op) {
-  const uint64_t tag = *p.epoch + 1;  // the epoch rank_barrier is about to use
-  const uint64_t word = MakeTagged(tag, ok ? ok_value : 0u);
-  const size_t slot = ok_off + sizeof(uint64_t) * p.rank;
-  StU64Volatile(reinterpret_cast<uint64_t*>(MyWindow(p) + slot), word);
-  for (int j = 0; j < p.nranks; ++j)
-    if (j != p.rank) PutControlWord(p, j, slot, slot, word, op);
-  __threadfence_system();
-  rank_barrier(p, op);
 }
 
 // ---------------------------------------------------------------- chunk counters
@@ -223,19 +174,6 @@ __device__ inline bool WaitChunk(const EpPeers& p, const uint32_t* counter, uint
   ok = __shfl_sync(kFullMask, ok, 0);
   __syncwarp();
   return ok != 0;
-}
-
-// After PublishOkAndBarrier: did every source publish this rank's own
-// `ok_value` for this epoch? Returns -1 when all did, else the first that
-// did not. One thread.
-__device__ inline int FirstPeerNotOk(const EpPeers& p, size_t ok_off, uint32_t ok_value) {
-  const uint64_t tag = *p.epoch;
-  const uint64_t* slots = reinterpret_cast<const uint64_t*>(MyWindow(p) + ok_off);
-  for (int s = 0; s < p.nranks; ++s) {
-    const uint64_t w = LdU64Volatile(slots + s);
-    if (!TagMatches(w, tag) || static_cast<uint32_t>(w) != ok_value) return s;
-  }
-  return -1;
 }
 
 }  // namespace jax_ep

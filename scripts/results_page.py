@@ -210,9 +210,20 @@ HEADLINES = [
      COMM_COLS + ["mrows_per_s", "publish_us", "publish_ratio_to_memcpy"]),
     ("Engram at EP1 (one GPU)", "engram", lambda r: r.get("ranks") == 1,
      COMM_COLS + ["mrows_per_s", "publish_us", "publish_ratio_to_memcpy"]),
-    ("MoE layer step, forward + backward (one GPU)", "moe", lambda r: r.get("tokens_per_rank") == 4096,
+    ("MoE layer step, forward + backward (one GPU)", "moe",
+     lambda r: r.get("tokens_per_rank") == 4096 and r.get("activation", "gelu") == "gelu",
      ["impl", "tokens_per_rank", "time_us", "tokens_per_s", "ratio_to_expert_gemms",
       "dispatch_combine_share", "capacity_factor", "dropped_pairs", "path", "transport"]),
+    ("MoE layer with SwiGLU experts, bf16 and FP8: steps and inference forwards next to their "
+     "GEMM floors (one GPU)", "moe",
+     lambda r: r.get("tokens_per_rank") == 4096 and r.get("activation") == "swiglu",
+     ["impl", "kind", "dtype", "time_us", "floor_us", "share_of_floor", "speedup_vs_jax_ep_bf16",
+      "speedup_vs_jax_native", "path"]),
+    ("Training quality: bf16 and FP8 experts from the same start", "train",
+     lambda r: r.get("bench") == "train_quality",
+     ["impl", "activation", "hidden", "ffn", "experts", "steps", "lr", "first_loss",
+      "final_loss", "tail_mean_loss", "relative_difference", "tail_relative_difference",
+      "nonfinite_losses", "path"]),
 ]
 
 OPS = ["dispatch / combine", "low latency", "Engram", "grouped GEMM"]

@@ -22,8 +22,10 @@ from jax_ep import _native
 from jax_ep._ffi import grouped_gemm as gg_ffi
 from jax_ep.ops import _backend
 
-SRC = pathlib.Path(jax_ep.__file__).parent
-REPO = SRC.parent.parent
+# The source tree next to these tests (CI tests an installed wheel, whose
+# package directory holds no ffi/ beside it).
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SRC = REPO / "src" / "jax_ep"
 R = 2
 N = 7  # an SM count no default takes
 

@@ -478,6 +478,19 @@ def test_a_low_latency_combine_configuration_mismatch_is_named_and_gives_zeros_t
       _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, f"after the mismatch, round {rnd}")
 
 
+def _refused_normal_call(lb, rng, op, R, T, H, K, E):
+  """One rank-layout dispatch or combine on every rank but rank 1, whose
+  handler refuses it; -> the per-rank reports. A combine first runs a
+  dispatch for its handle (outside the refused call)."""
+  payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
+  C = R * T
+  if op == "dispatch":
+    return lb.dispatch(payload, idx, w, E=E, C=C, layout="rank", check=False, refuse=[1])[1]
+  outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
+  y = oracle.make_x(rng, (R, C, H), BF16)
+  return lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, refuse=[1])[1]
+
+
 @pytest.mark.parametrize("op", ["dispatch", "combine", "ll_dispatch", "ll_combine"])
 def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_calls_work(op):
   """kernels/abort.h on virtual ranks: rank 1 launches what its handler
@@ -495,17 +508,8 @@ def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_call
     lb = Loopback(R, _ll_window(), timeout_s=5.0)
   with lb:
     if op in ("dispatch", "combine"):
-      payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
-      C = R * T
-      outs = None
-      if op == "combine":
-        outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
-        y = oracle.make_x(rng, (R, C, H), BF16)
       t0 = time.monotonic()
-      if op == "dispatch":
-        got, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank", check=False, refuse=[1])
-      else:
-        got, reports = lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, refuse=[1])
+      reports = _refused_normal_call(lb, rng, op, R, T, H, K, E)
       again = lambda: _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
     else:
       # The layout is set up first: a refusal does not stand in for the
@@ -541,17 +545,8 @@ def test_a_gin_peer_of_a_refusing_rank_fails_at_once_then_next_calls_work(op):
   rng = np.random.default_rng(stable_seed("loopback-refuse-gin", op))
   T, H, K, E = 64, 256, 4, 16
   with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0, gin_emulated=True) as lb:
-    payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
-    C = R * T
-    outs = None
-    if op == "combine":
-      outs, _ = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank")
-      y = oracle.make_x(rng, (R, C, H), BF16)
     t0 = time.monotonic()
-    if op == "dispatch":
-      got, reports = lb.dispatch(payload, idx, w, E=E, C=C, layout="rank", check=False, refuse=[1])
-    else:
-      got, reports = lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, refuse=[1])
+    reports = _refused_normal_call(lb, rng, op, R, T, H, K, E)
     took = time.monotonic() - t0
     assert "peer rank 1 refused this call" in reports[0], reports
     assert reports[1] == "", reports

@@ -132,7 +132,7 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
 def expert_matmul(x: jax.Array, w, group_sizes: jax.Array, *, precision: str = "bf16",
                   out_dtype=None, backend: Optional[str] = None,
                   x_fp8: Optional[tuple[jax.Array, jax.Array]] = None,
-                  w_fp8: Optional[Fp8Weights] = None) -> jax.Array:
+                  w_fp8: Optional[Fp8Weights] = None, masked: bool = False) -> jax.Array:
   """The layer's expert GEMM (x [M, K] groups times w [G, K, N]) at its
   precision; every expert matmul of the layer goes through here.
 
@@ -144,18 +144,24 @@ def expert_matmul(x: jax.Array, w, group_sizes: jax.Array, *, precision: str = "
   tokens of each group (wgrad): jax_ep.grouped_matmul_fp8's training form,
   on the FP8 kernels on GPU and the same casts in pure JAX elsewhere. w may
   also be held FP8 blocks (wq [G, N, K], ws), as `MoE.to_fp8_inference`
-  keeps them: the forward product alone, not differentiable in w. Its
-  products come out in bf16.
+  keeps them: the forward product alone, not differentiable in w. masked:
+  x is the decode grid [G, S, K] with group_sizes rows valid per group
+  (masked_grouped_matmul[_fp8]; forward only). Its products come out in
+  bf16.
   """
   be = "reference" if backend == "reference" else None
   if precision == "fp8":
-    if isinstance(w, tuple):
+    if masked or isinstance(w, tuple):
+      # The forward product alone, from FP8 operands.
+      w = w if isinstance(w, tuple) else quantize_weights_fp8(w)
       rows = x_fp8 if x_fp8 is not None else _fp8.quantize(x)
-      out = grouped_matmul_fp8(rows, w, group_sizes, backend=be)
+      matmul = masked_grouped_matmul_fp8 if masked else grouped_matmul_fp8
+      out = matmul(rows, w, group_sizes, backend=be)
     else:
       out = grouped_matmul_fp8(x, w, group_sizes, x_fp8=x_fp8, w_fp8=w_fp8, backend=be)
     return out.astype(out_dtype or x.dtype)
-  return grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, backend=be)
+  matmul = masked_grouped_matmul if masked else grouped_matmul
+  return matmul(x, w, group_sizes, out_dtype=out_dtype, backend=be)
 
 
 def _dense(x, w, *, precision: str, out_dtype, w_fp8=None):
@@ -677,14 +683,14 @@ def _shared(x, shared, cfg: _Cfg, cached=None):
                        precision=cfg.precision, w_fp8=cached)
 
 
-def _activate(h13, cfg: _Cfg, gemm, w_in, counts, rows_fp8, w_fp8=None):
+def _activate(rows, cfg: _Cfg, gemm, w_in, counts, rows_fp8, w_fp8=None):
   """The first GEMM and the activation, in the compute dtype."""
   if cfg.activation == "swiglu":
     # The first GEMM writes its [M, 2F] in the compute dtype and swiglu
     # reads it once: no f32 pass over HBM between the two GEMMs.
-    return swiglu(gemm(h13, w_in, counts, out_dtype=cfg.dtype, x_fp8=rows_fp8, w_fp8=w_fp8),
+    return swiglu(gemm(rows, w_in, counts, out_dtype=cfg.dtype, x_fp8=rows_fp8, w_fp8=w_fp8),
                   cfg.dtype)
-  h = gemm(h13, w_in, counts, out_dtype=jnp.float32, x_fp8=rows_fp8, w_fp8=w_fp8)
+  h = gemm(rows, w_in, counts, out_dtype=jnp.float32, x_fp8=rows_fp8, w_fp8=w_fp8)
   return jax.nn.gelu(h).astype(cfg.dtype)
 
 
@@ -704,18 +710,11 @@ def _decode_shard(x, topk_idx, topk_weights, routed, shared, *, cfg: _Cfg):
   fp8 = cfg.precision == "fp8"
   out = low_latency_dispatch(x, topk_idx, num_experts=cfg.num_experts, max_tokens=x.shape[0],
                              axis_name=cfg.axis_name, fp8=fp8, backend=cfg.backend)
-  be = "reference" if cfg.backend == "reference" else None
-
-  def gemm(rows, w, counts, *, out_dtype, x_fp8=None, w_fp8=None):
-    if not fp8:
-      return masked_grouped_matmul(rows, w, counts, out_dtype=out_dtype, backend=be)
-    if not isinstance(w, tuple):
-      w = quantize_weights_fp8(w)
-    rows = x_fp8 if x_fp8 is not None else _fp8.quantize(rows)
-    return masked_grouped_matmul_fp8(rows, w, counts, backend=be).astype(out_dtype)
-
-  rows = None if fp8 else out.recv_x
-  h = _activate(rows, cfg, gemm, w_in, out.recv_count, out.recv_x if fp8 else None)
+  gemm = functools.partial(expert_matmul, precision=cfg.precision, backend=cfg.backend,
+                           masked=True)
+  # FP8 rows go into the first GEMM as they arrived.
+  h = _activate(None if fp8 else out.recv_x, cfg, gemm, w_in, out.recv_count,
+                out.recv_x if fp8 else None)
   y = gemm(h, w_out, out.recv_count, out_dtype=cfg.dtype)
   routed = low_latency_combine(y, topk_idx, topk_weights, out.handle, axis_name=cfg.axis_name,
                                backend=cfg.backend)

@@ -34,6 +34,7 @@ import numpy as np
 import bench_moe as bm
 import bench_normal as bn
 
+
 def gemm_flops(shape: "bm.MoEShape") -> float:
   """Forward FLOPs of one rank's routed expert GEMMs at T*K rows: 2*M*H*2F
   (w13) + 2*M*F*H (w2)."""

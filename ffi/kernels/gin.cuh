@@ -216,6 +216,20 @@ __device__ inline bool CheckedPut(const EpPeers& p, Op op, int peer, size_t dst_
   return false;
 #endif
 }
+#if JAX_EP_HAVE_GIN
+// The flush of every context behind `channels`, by the cooperation `Coop`
+// (a warp or one thread) that issued the puts.
+template <typename Coop>
+__device__ inline void Flush(const EpPeers& p, uint32_t channels) {
+  if (p.gin_emulated || p.gin == nullptr) return;
+  const GinComm& g = Comm(p);
+  for (uint32_t m = channels; m; m &= m - 1) {
+    ncclGin gin(g.devcomm, GinContextOf(static_cast<uint32_t>(__ffs(m) - 1)));
+    gin.flush(Coop{});
+  }
+}
+#endif
+
 }  // namespace gin_detail
 
 // Copies bytes [src_off, src_off + bytes) of this rank's window to
@@ -259,12 +273,7 @@ __device__ inline bool GinPutWarp(const EpPeers& p, Op op, int peer, size_t dst_
 // All 32 lanes. (Emulated puts are synchronous.)
 __device__ inline void GinFlushWarp(const EpPeers& p, uint32_t channels) {
 #if JAX_EP_HAVE_GIN
-  if (p.gin_emulated || p.gin == nullptr) return;
-  const GinComm& g = gin_detail::Comm(p);
-  for (uint32_t m = channels; m; m &= m - 1) {
-    ncclGin gin(g.devcomm, GinContextOf(static_cast<uint32_t>(__ffs(m) - 1)));
-    gin.flush(ncclCoopWarp{});
-  }
+  gin_detail::Flush<ncclCoopWarp>(p, channels);
 #else
   (void)p;
   (void)channels;
@@ -275,12 +284,7 @@ __device__ inline void GinFlushWarp(const EpPeers& p, uint32_t channels) {
 // GinPutQuiet) whose source word this rank overwrites soon after.
 __device__ inline void GinFlush(const EpPeers& p, uint32_t channels) {
 #if JAX_EP_HAVE_GIN
-  if (p.gin_emulated || p.gin == nullptr) return;
-  const GinComm& g = gin_detail::Comm(p);
-  for (uint32_t m = channels; m; m &= m - 1) {
-    ncclGin gin(g.devcomm, GinContextOf(static_cast<uint32_t>(__ffs(m) - 1)));
-    gin.flush(ncclCoopThread{});
-  }
+  gin_detail::Flush<ncclCoopThread>(p, channels);
 #else
   (void)p;
   (void)channels;

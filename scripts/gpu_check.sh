@@ -6,7 +6,8 @@
 #   JAX_EP_COMMIT=<sha> labels the benchmark records (the tree copied to the
 #   device machine has no .git; run it as JAX_EP_COMMIT=$(git rev-parse --short HEAD) ...)
 #   GPU_CHECK_TESTS="tests/test_gpu_x.py ..." runs only those GPU test files
-#   ("none": no tests),
+#   ("none": no tests; "a.py b.py | c.py" runs each group as its own pytest
+#   process, the groups in parallel),
 #   GPU_CHECK_DEMO=none skips the demo and the example training run;
 #   GPU_CHECK_SOAK=SECONDS also runs benchmarks/soak.py for that long;
 #   GPU_CHECK_BENCH="bench_a bench_b" only those benchmarks (default: all);
@@ -200,10 +201,31 @@ if [ "${GPU_CHECK_TESTS:-}" = none ]; then
   tests="not run (GPU_CHECK_TESTS=none)"
 elif [ "$build_ok" = ok ]; then
   TEST_COMMAND="JAX_EP_TEST_GPUS=$JAX_EP_TEST_GPUS python -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} ${GPU_CHECK_TESTS:-}"
-  # shellcheck disable=SC2086
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${GPU_CHECK_TESTS:-} \
-      --junitxml="$OUT/junit.xml" >"$LOGS/pytest.log" 2>&1 || status=1
-  tail -25 "$LOGS/pytest.log"
+  # Groups split by "|" run as parallel pytest processes on the same GPUs
+  # (the suite is mostly XLA compilation on the host's cores); their junit
+  # files are merged into one.
+  IFS='|' read -r -a groups <<<"${GPU_CHECK_TESTS:-}"
+  [ "${#groups[@]}" -gt 0 ] || groups=("")
+  pids=()
+  for i in "${!groups[@]}"; do
+    # shellcheck disable=SC2086
+    XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${groups[$i]} \
+        --junitxml="$LOGS/junit_$i.xml" >"$LOGS/pytest_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  "$PY" - "$OUT/junit.xml" "$LOGS"/junit_*.xml <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+merged = ET.Element("testsuites")
+for f in sys.argv[2:]:
+    try:
+        root = ET.parse(f).getroot()
+    except Exception:
+        continue
+    merged.extend([root] if root.tag == "testsuite" else list(root))
+ET.ElementTree(merged).write(sys.argv[1])
+PYEOF
+  for i in "${!groups[@]}"; do tail -12 "$LOGS/pytest_$i.log"; done
   tests=$(NGPU=$NGPU "$PY" - "$OUT/junit.xml" <<'PYEOF'
 import os, re, sys, xml.etree.ElementTree as ET
 try:

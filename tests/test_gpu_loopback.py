@@ -52,7 +52,7 @@ def _inputs(rng, R, T, H, K, E, dtype, mode):
   return (oracle.make_x(rng, (R, T, H), DTYPES[dtype]),), idx, w
 
 
-def _window(R, T, H, K, E, x_bytes, fp8, y_bytes=4):
+def _normal_window(R, T, H, K, E, x_bytes, fp8, y_bytes=4):
   return _window.normal_bytes(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
                                            num_experts=E, x_bytes=x_bytes, fp8=fp8, y_bytes=y_bytes)
 
@@ -137,7 +137,7 @@ CASES = [
 def test_dispatch_combine_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, dtype, mode, layout):
   rng = np.random.default_rng(stable_seed("loopback", R, T, H, K, E, dtype, mode, layout))
   fp8 = dtype == "fp8_pair"
-  with Loopback(R, _window(R, T, H, K, E, 1 if fp8 else DTYPES[dtype].itemsize, fp8)) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 1 if fp8 else DTYPES[dtype].itemsize, fp8)) as lb:
     _round(lb, rng, T, H, K, E, dtype, mode, layout)
 
 
@@ -152,7 +152,7 @@ def test_dispatch_combine_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, d
 def test_emulated_gin_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, dtype, mode, layout):
   rng = np.random.default_rng(stable_seed("loopback-gin", R, T, H, K, E, dtype, mode, layout))
   fp8 = dtype == "fp8_pair"
-  with Loopback(R, _window(R, T, H, K, E, 1 if fp8 else DTYPES[dtype].itemsize, fp8),
+  with Loopback(R, _normal_window(R, T, H, K, E, 1 if fp8 else DTYPES[dtype].itemsize, fp8),
                 gin_emulated=True) as lb:
     _round(lb, rng, T, H, K, E, dtype, mode, layout)
 
@@ -162,7 +162,7 @@ def test_emulated_gin_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, dtype
 def test_alignment_and_in_kernel_fp8_cast(R, layout, align, cast):
   rng = np.random.default_rng(stable_seed("loopback-align", R, layout, align, cast))
   T, H, K, E = 127, 2048, 8, 64
-  with Loopback(R, _window(R, T, H, K, E, 2, cast)) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, cast)) as lb:
     _round(lb, rng, T, H, K, E, "bf16", "random", layout, align=align, cast_fp8=cast)
 
 
@@ -171,7 +171,7 @@ def test_unweighted_combine_and_many_rounds_no_drift():
   window areas and epochs reused across ops as a training loop does."""
   R, T, H, K, E = 2, 256, 1024, 8, 64
   rng = np.random.default_rng(stable_seed("loopback-rounds"))
-  with Loopback(R, _window(R, T, H, K, E, 2, False)) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, False)) as lb:
     for i in range(60):
       _round(lb, rng, T, H, K, E, "bf16", "random", ("rank", "expert")[i % 2], weighted=i % 3 != 0)
 
@@ -179,7 +179,7 @@ def test_unweighted_combine_and_many_rounds_no_drift():
 def test_bad_expert_id_on_one_rank_is_reported_then_next_call_works():
   R, T, H, K, E = 2, 64, 256, 4, 16
   rng = np.random.default_rng(stable_seed("loopback-bad-id"))
-  with Loopback(R, _window(R, T, H, K, E, 2, False)) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, False)) as lb:
     payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
     idx[1, 5, 0] = E + 3
     for layout in ("rank", "expert"):
@@ -293,7 +293,7 @@ def test_engram_republished_tables_never_read_stale_and_a_bad_index_is_reported(
 def test_a_configuration_mismatch_across_ranks_names_both_values_then_next_call_works(field, here, there):
   R, T, H, K, E = 2, 64, 512, 4, 32
   rng = np.random.default_rng(stable_seed("loopback-mismatch", field))
-  with Loopback(R, _window(R, T, H, K, E, 2, False)) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, False)) as lb:
     payload, idx, w = _inputs(rng, R, T, H, K, 16, "bf16", "random")  # ids valid for E = 16 and 32
     scalar = {"num_tokens": T, "hidden": H, "topk": K, "num_experts": E}
     assert scalar[field] == there
@@ -332,7 +332,7 @@ def test_a_payload_format_mismatch_across_ranks_names_both_values_then_next_call
   rng = np.random.default_rng(stable_seed("loopback-format-mismatch", *sorted(rank0.items())))
   calls = [dict(_CALL, **rank0), dict(_CALL)]
   words = [_format_word(**c) for c in calls]
-  window = max(_window(R, T, H, K, E, 4, False), _window(R, T, H, K, E, 2, True))
+  window = max(_normal_window(R, T, H, K, E, 4, False), _normal_window(R, T, H, K, E, 2, True))
   with Loopback(R, window) as lb:
     _, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
     inputs, overrides, caps = [], {}, []
@@ -379,7 +379,7 @@ def test_a_combine_configuration_mismatch_names_both_values_then_next_call_works
   before any row moves, name the field, and rank 1 returns zeros."""
   R, T, H, K, E = 2, 64, 512, 4, 32
   rng = np.random.default_rng(stable_seed("loopback-combine-mismatch", field))
-  with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, False), timeout_s=5.0) as lb:
     payload, idx, w = _inputs(rng, R, T, H, K, 16, "bf16", "random")  # ids valid for E = 16 and 32
     assert {"hidden": H, "topk": K, "num_experts": E}[field] == there
     C = R * T
@@ -502,7 +502,7 @@ def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_call
   rng = np.random.default_rng(stable_seed("loopback-refuse", op))
   if op in ("dispatch", "combine"):
     T, H, K, E = 64, 256, 4, 16
-    lb = Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0)
+    lb = Loopback(R, _normal_window(R, T, H, K, E, 2, False), timeout_s=5.0)
   else:
     c = _LL
     lb = Loopback(R, _ll_window(), timeout_s=5.0)
@@ -544,7 +544,7 @@ def test_a_gin_peer_of_a_refusing_rank_fails_at_once_then_next_calls_work(op):
   R = 2
   rng = np.random.default_rng(stable_seed("loopback-refuse-gin", op))
   T, H, K, E = 64, 256, 4, 16
-  with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=5.0, gin_emulated=True) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, False), timeout_s=5.0, gin_emulated=True) as lb:
     t0 = time.monotonic()
     reports = _refused_normal_call(lb, rng, op, R, T, H, K, E)
     took = time.monotonic() - t0
@@ -561,7 +561,7 @@ def test_a_rank_that_skips_the_call_is_reported_by_its_peers_within_the_timeout(
   T, H, K, E = 64, 256, 4, 16
   rng = np.random.default_rng(stable_seed("loopback-skip", R, skip, op))
   timeout = 1.0
-  with Loopback(R, _window(R, T, H, K, E, 2, False), timeout_s=timeout) as lb:
+  with Loopback(R, _normal_window(R, T, H, K, E, 2, False), timeout_s=timeout) as lb:
     payload, idx, w = _inputs(rng, R, T, H, K, E, "bf16", "random")
     C = R * T
     t0 = time.monotonic()

@@ -393,6 +393,22 @@ def compare(shape: MoEShape, mesh, x, params, *, tol: float = 3e-2,
 
 # ---------------------------------------------------------------- driver
 
+def ensure_communicator(mesh, shape: MoEShape) -> None:
+  """A Communicator over `mesh`'s "ep" axis (where jax_ep has its CUDA
+  build and none is open), so the layers' dispatch and combine run the
+  kernels rather than the reference."""
+  import jax_ep
+  if not jax_ep.cuda_available():
+    return
+  from jax_ep import comm as _comm
+  from jax_ep._window import normal_bytes as window_bytes_needed
+  if _comm.current("ep") is None:
+    nbytes = max(1 << 30, window_bytes_needed(
+        num_ranks=mesh.size, tokens_per_rank=max(4096, shape.tokens), hidden=shape.hidden,
+        topk=shape.topk, num_experts=shape.experts))
+    bn.run_records.note_communicator(jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes))
+
+
 def run(shape: MoEShape, *, quick: bool, check: bool = True,
         impls: Optional[list[str]] = None) -> list[dict]:
   """Times every layer of `layers` (or only those in `impls`; with
@@ -403,14 +419,7 @@ def run(shape: MoEShape, *, quick: bool, check: bool = True,
   devices = jax.devices()
   mesh = Mesh(np.array(devices), ("ep",))
   r_count = mesh.size
-  if jax_ep.cuda_available():
-    from jax_ep import comm as _comm
-    from jax_ep._window import normal_bytes as window_bytes_needed
-    if _comm.current("ep") is None:
-      nbytes = max(1 << 30, window_bytes_needed(
-          num_ranks=r_count, tokens_per_rank=max(4096, shape.tokens), hidden=shape.hidden,
-          topk=shape.topk, num_experts=shape.experts))
-      bn.run_records.note_communicator(jax_ep.Communicator.create(mesh, "ep", num_bytes=nbytes))
+  ensure_communicator(mesh, shape)
   x, params = make_inputs(shape, mesh, jax.random.key(0))
   if check:
     try:

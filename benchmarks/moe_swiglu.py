@@ -115,6 +115,7 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.array(jax.devices()), ("ep",))
   r_count = mesh.size
+  bm.ensure_communicator(mesh, shape)
   want = lambda impl: impls is None or impl in impls  # noqa: E731
   x = jax.device_put(jax.random.normal(jax.random.key(0), (r_count * shape.tokens, shape.hidden),
                                        jnp.bfloat16), NamedSharding(mesh, P("ep")))

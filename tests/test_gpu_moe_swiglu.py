@@ -32,6 +32,16 @@ def _mesh():
   return Mesh(np.array(jax.devices("cuda")[:1]), ("ep",))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _communicator():
+  """A Communicator on the layer's axis, so backend None runs the dispatch,
+  combine and low-latency kernels too, not only the grouped GEMMs."""
+  from jax_ep.comm import Communicator
+  c = Communicator.create(_mesh(), "ep", 256 << 20)
+  yield c
+  c.close()
+
+
 def _model(backend, **kw):
   kw.setdefault("shared_ffn", F)
   return MoE(H, F, E, 2, mesh=_mesh(), activation="swiglu", backend=backend,

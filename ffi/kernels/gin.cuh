@@ -54,14 +54,21 @@ constexpr Cause kGinUnavailable = static_cast<Cause>(64);
 
 // Signals: each source rank owns kGinChannels of them on every destination,
 // so a receiver can wait for one source and one channel (e.g. one chunk of
-// the rows) without counting anyone else's puts. The last channel is the
-// control channel: rank barriers (one signal per barrier, so its count is the
-// barrier epoch) and the small control words put just before them; the
-// others carry data.
+// the rows) without counting anyone else's puts. The channel map, one owner
+// per channel so that no op's signal counts another op's puts:
+//   0 .. kGinDataChannels-1  the normal ops' row chunks,
+//   Engram requests, Engram responses, low-latency dispatch, low-latency
+//   combine (one channel each),
+//   the last: control — rank barriers (one signal per barrier, so its count is
+//   the barrier epoch) and the small control words put just before them.
 constexpr int kGinChannels = 32;
 constexpr int kGinSignalCount = kMaxRanks * kGinChannels;
 constexpr int kGinControlChannel = kGinChannels - 1;
-constexpr int kGinDataChannels = kGinChannels - 1;
+constexpr int kGinLlCombineChannel = kGinChannels - 2;
+constexpr int kGinLlDispatchChannel = kGinChannels - 3;
+constexpr int kGinEngramResponseChannel = kGinChannels - 4;
+constexpr int kGinEngramRequestChannel = kGinChannels - 5;
+constexpr int kGinDataChannels = kGinChannels - 5;
 // A hint to NCCL (it may create fewer); contexts spread puts over queues.
 constexpr int kGinContextCount = 4;
 static_assert(kGinEmuSignalsOffset + 8 * static_cast<size_t>(kGinSignalCount) <= kWindowHeaderBytes,

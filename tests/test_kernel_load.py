@@ -15,7 +15,8 @@ KERNELS = pathlib.Path(__file__).resolve().parent.parent / "ffi" / "kernels"
 FILES = {"layout.cu": "LoadLayoutKernels", "dispatch_setup.cu": "LoadDispatchSetupKernels",
          "dispatch.cu": "LoadDispatchKernels",
          "combine.cu": "LoadCombineKernels", "low_latency.cu": "LoadLowLatencyKernels",
-         "engram.cu": "LoadEngramKernels", "abort.cu": "LoadAbortKernels"}
+         "engram.cu": "LoadEngramKernels", "engram_gin.cu": "LoadEngramGinKernels",
+         "abort.cu": "LoadAbortKernels"}
 
 
 def _kernel_names(src: str) -> set[str]:

@@ -33,6 +33,8 @@ constexpr size_t kOpConfigOffset = 1024;
 static_assert(kBarrierFlagsOffset + 8 * kMaxRanks <= kOpConfigOffset &&
                   kOpConfigOffset + kOpConfigBytes <= kGinEmuSignalsOffset,
               "the header's parts do not overlap");
+// [1536, 2048) of the header: the Engram GIN exchange's control words
+// (engram_layout.h kEngramGinWordsOffset).
 // The status allocation (mapped pinned host memory, EpPeers::status): the
 // u64 status word, then on a configuration mismatch the two records that
 // differ [mine, the peer's], which the host reads with plain loads (no CUDA

@@ -1,4 +1,5 @@
-// Engram publish / fetch over LSA (see engram.cuh, engram_layout.h).
+// Engram publish / fetch over LSA (see engram.cuh, engram_layout.h); a
+// fetch with a GIN peer goes to engram_gin.cu.
 //
 // Fetch is a gather: the output [n, row_bytes] is viewed as n * row_bytes/16
 // 16-byte items; item q belongs to row q / vpr, chunk q % vpr. Consecutive
@@ -214,8 +215,11 @@ cudaError_t LaunchEngramClear(const EngramSlotMask& m, unsigned long long* versi
   return cudaGetLastError();
 }
 
-cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream) {
+cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream,
+                              const EngramGinFetchArgs& gin) {
   if (a.num_rows == 0 || a.row_bytes == 0) return cudaSuccess;
+  // A GIN owner's window is not mapped here: its rows come by request and answer.
+  if (AnyGinPeer(p)) return LaunchEngramGinFetch(a, gin, p, stream);
   const bool vec = a.row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.out) % 16) == 0 &&
                    a.table_off % 16 == 0;
   const uint64_t items = static_cast<uint64_t>(a.num_rows) * (vec ? a.row_bytes / 16 : a.row_bytes);

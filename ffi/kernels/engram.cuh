@@ -1,7 +1,9 @@
-// Engram on LSA: publish a rank's table shard into its symmetric window
-// (engram_layout.h), then fetch rows [T, e] from every rank's window with
-// plain NVLink loads. Semantics: jax_ep/reference.py engram_fetch_start /
-// engram_fetch_wait (pure data movement, so bitwise equal).
+// Engram: publish a rank's table shard into its symmetric window
+// (engram_layout.h), then fetch rows [T, e] from every rank's window: plain
+// NVLink loads from LSA owners (engram.cu), a request / serve exchange with
+// GIN owners (engram_gin.cu). Semantics: jax_ep/reference.py
+// engram_fetch_start / engram_fetch_wait (pure data movement, so bitwise
+// equal).
 #pragma once
 
 #include <cstddef>
@@ -9,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "common.cuh"
+#include "engram_layout.h"
 
 namespace jax_ep {
 
@@ -17,6 +20,10 @@ namespace jax_ep {
 // counters (comm.h): [0] the last version drawn, [1 + s] the version of the
 // live publication in slot s (0: none).
 constexpr int kEngramSlots = 256;
+
+// Device counter (comm.h) of the GIN exchange: fetches on this device that
+// went through it, so every signal of it has a known expected count.
+constexpr int kEngramGinSeqCounter = 60;
 
 struct EngramSlotMask {
   uint64_t bits[kEngramSlots / 64] = {};
@@ -55,6 +62,13 @@ struct EngramFetchArgs {
   const unsigned long long* version = nullptr;
 };
 
+// What a fetch needs besides EngramFetchArgs where a peer is on GIN (kept
+// apart so that the LSA kernel's parameters stay as they were).
+struct EngramGinFetchArgs {
+  unsigned long long* counters = nullptr;  // the device counters (kEngramGinSeqCounter)
+  EngramGinArea area;                      // the exchange's scratch
+};
+
 // barrier (nobody still reads the old table; the overwritten areas' words
 // cleared) -> copy -> barrier (every shard in place) -> a new version in the
 // slot's word and the token. A barrier timeout goes to the status word; the
@@ -66,7 +80,22 @@ constexpr int kEngramPublishBarriers = 2;  // what a refusing rank stands in for
 // An index outside [-1, V) gives a zero row and Op::kEngramFetch /
 // Cause::kBadIndex in the status word; a token other than `version` gives
 // zero rows and Cause::kStalePublication.
-cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream);
+// `gin`: filled in whenever a peer is on GIN (then the GIN form runs).
+cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaStream_t stream,
+                              const EngramGinFetchArgs& gin = {});
+
+// The GIN form of LaunchEngramFetch (engram_gin.cu), which calls it when a
+// peer is on GIN: a request kernel, an exchange kernel (serve every GIN
+// peer, then wait for their answers) and a gather.
+cudaError_t LaunchEngramGinFetch(const EngramFetchArgs& a, const EngramGinFetchArgs& g,
+                                 const EpPeers& p, cudaStream_t stream);
+
+// What a handler that refuses a fetch launches where a peer is on GIN
+// (abort.h's idea for the exchange): this rank's sequence advances as if it
+// had fetched, and each GIN peer gets a refused request and a refused answer
+// with their signals, so it fails at once and the counts stay in step.
+cudaError_t LaunchEngramGinRefusal(const EpPeers& p, unsigned long long* counters,
+                                   cudaStream_t stream);
 
 // Clears the version words of the slots in `m` (their tables are about to
 // be overwritten by another op); nothing is launched when `m` is empty.

@@ -32,11 +32,12 @@ cudaError_t LoadDispatchKernels();     // dispatch.cu
 cudaError_t LoadCombineKernels();      // combine.cu
 cudaError_t LoadLowLatencyKernels();   // low_latency.cu
 cudaError_t LoadEngramKernels();       // engram.cu
+cudaError_t LoadEngramGinKernels();    // engram_gin.cu
 cudaError_t LoadAbortKernels();        // abort.cu
 
 inline cudaError_t LoadCommKernels() {
   for (auto load : {LoadLayoutKernels, LoadDispatchSetupKernels, LoadDispatchKernels, LoadCombineKernels, LoadLowLatencyKernels,
-                    LoadEngramKernels, LoadAbortKernels}) {
+                    LoadEngramKernels, LoadEngramGinKernels, LoadAbortKernels}) {
     if (cudaError_t err = load(); err != cudaSuccess) return err;
   }
   return cudaSuccess;

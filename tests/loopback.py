@@ -130,10 +130,13 @@ class Loopback:
       return [o.get("out") for o in outs], reports
     return np.stack([o["out"] for o in outs]), reports
 
-  def engram(self, table, indices, *, num_sms: int = 0, check: bool = True, overrides: dict | None = None):
-    """Publish then fetch. table [V, D], rank s holding rows [s V/R, (s+1)
-    V/R); indices [R, T, e] global ids in [-1, V). Returns (rows [R, T, e,
-    D], tokens [R], reports)."""
+  def engram(self, table, indices, *, num_sms: int = 0, check: bool = True, overrides: dict | None = None,
+             refuse=()):
+    """Publish then fetch (with emulated GIN the fetch exchanges requests
+    and answers, engram_gin.cu). table [V, D], rank s holding rows [s V/R,
+    (s+1) V/R); indices [R, T, e] global ids in [-1, V). Returns (rows [R,
+    T, e, D], tokens [R], reports); with `refuse` (ranks whose handler
+    refuses the call) per-rank lists, None for those ranks."""
     R = self.R
     V, D = table.shape
     rpr = V // R
@@ -143,7 +146,10 @@ class Loopback:
     scalars = dict(rows_per_rank=rpr, row_bytes=D * table.dtype.itemsize, num_rows=n, num_sms=num_sms)
     outs, reports = self.run("engram", scalars, inputs,
                              dict(rows=((n, D), table.dtype), token=((1,), np.int32)), check=check,
-                             overrides=overrides)
+                             overrides=overrides, refuse=refuse)
+    if refuse:
+      return ([o["rows"].reshape(indices.shape[1:] + (D,)) if "rows" in o else None for o in outs],
+              [o["token"][0] if "token" in o else None for o in outs], reports)
     rows = np.stack([o["rows"].reshape(indices.shape[1:] + (D,)) for o in outs])
     return rows, np.array([o["token"][0] for o in outs]), reports
 

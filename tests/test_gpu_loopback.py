@@ -4,7 +4,7 @@ every dispatch output (rows, FP8 scales, routing metadata, counts and the
 whole handle, padding included: the harness fills outputs with 0xA5 first)
 and the combine in its fixed f32 order; the low-latency kernels' counts,
 source entries, valid rows and combine; Engram publish + fetch from every
-shard. And the failures a peer must report, not wait out: a bad expert id
+shard (over emulated GIN by request and answer). And the failures a peer must report, not wait out: a bad expert id
 or Engram index on one rank, a configuration that differs between ranks
 (named, both values), a rank that never calls (reported within the
 timeout).
@@ -239,13 +239,28 @@ def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E
       _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
 
 
+def _engram_window(R, rpr, D, itemsize, rows, transport):
+  """A window for one table and, over emulated GIN, the fetch's
+  request/answer scratch below it (engram_layout.h EngramGinArea)."""
+  gin = transport == "gin_emulated" and R > 1
+  return (1 << 20) + _window.engram_bytes(rows_per_rank=rpr, dim=D * itemsize, dtype=np.uint8,
+                                          gin_ranks=R if gin else 0, gin_rows=rows)
+
+
+TRANSPORTS = ["lsa", "gin_emulated"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("R,rpr,D,dtype,T,e,mode", [
     (2, 524288, 128, "bf16", 512, 24, "random"),   # docs/design.md §6 Engram shape
     (2, 4096, 64, "f32", 64, 8, "one_owner"),
     (4, 4096, 128, "bf16", 33, 5, "repeated"),
     (8, 1024, 8, "bf16", 16, 3, "random"),
+    (8, 1000, 64, "f32", 37, 7, "one_owner"),
 ])
-def test_engram_fetch_from_every_shard_bitwise_equal_oracle(R, rpr, D, dtype, T, e, mode):
+def test_engram_fetch_from_every_shard_bitwise_equal_oracle(R, rpr, D, dtype, T, e, mode, transport):
+  """Over emulated GIN every other rank is a GIN owner: its rows come by
+  request and answer (engram_gin.cu), this rank's own by loads."""
   rng = np.random.default_rng(stable_seed("loopback-engram", R, rpr, D, dtype, T, e, mode))
   V = R * rpr
   table = oracle.make_x(rng, (V, D), DTYPES[dtype])
@@ -255,18 +270,21 @@ def test_engram_fetch_from_every_shard_bitwise_equal_oracle(R, rpr, D, dtype, T,
   elif mode == "repeated":
     idx[:, :, 1:] = idx[:, :, :1]
   idx[rng.random(idx.shape) < 0.1] = -1
-  nbytes = (1 << 20) + V // R * D * table.dtype.itemsize
-  with Loopback(R, nbytes) as lb:
-    rows, tokens, _ = lb.engram(table, idx)
-    assert (tokens > 0).all(), tokens
-    _eq(rows, oracle.engram_fetch(table, idx), "engram rows")
+  nbytes = _engram_window(R, rpr, D, table.dtype.itemsize, T * e, transport)
+  with Loopback(R, nbytes, gin_emulated=transport == "gin_emulated") as lb:
+    for rnd in range(2):  # the second reuses the exchange's scratch and counts
+      rows, tokens, _ = lb.engram(table, idx)
+      assert (tokens > 0).all(), tokens
+      _eq(rows, oracle.engram_fetch(table, idx), f"engram rows, round {rnd}")
 
 
-def test_engram_republished_tables_never_read_stale_and_a_bad_index_is_reported():
-  R, rpr, D, T, e = 2, 2048, 64, 32, 4
-  rng = np.random.default_rng(stable_seed("loopback-engram-rounds"))
+@pytest.mark.parametrize("R,transport", [(2, "lsa"), (2, "gin_emulated"), (4, "gin_emulated")])
+def test_engram_republished_tables_never_read_stale_and_a_bad_index_is_reported(R, transport):
+  rpr, D, T, e = 2048, 64, 32, 4
+  rng = np.random.default_rng(stable_seed("loopback-engram-rounds", R, transport))
   V = R * rpr
-  with Loopback(R, (1 << 20) + rpr * D * 2) as lb:
+  with Loopback(R, _engram_window(R, rpr, D, 2, T * e, transport),
+                gin_emulated=transport == "gin_emulated") as lb:
     last = None
     for i in range(40):
       table = oracle.make_x(rng, (V, D), BF16)
@@ -553,6 +571,38 @@ def test_a_gin_peer_of_a_refusing_rank_fails_at_once_then_next_calls_work(op):
     assert took < 2.5, f"{op}: the GIN peer of a refusing rank returned after {took:.1f} s"
     for _ in range(3):
       _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
+@pytest.mark.parametrize("R,transport", [(2, "lsa"), (2, "gin_emulated"), (4, "gin_emulated")])
+def test_a_peer_of_a_rank_refusing_engram_fails_at_once_then_next_calls_work(R, transport):
+  """The fused publish + fetch refused on rank 1 (handlers/engram.cc): it
+  stands in for the publish's barriers and, where peers are on GIN, for the
+  fetch's exchange (a refused request and a refused answer to each, with
+  their signals, engram_gin.cu). Every other rank names the refusal at once
+  instead of waiting out the timeout, its rows are zeros, and the
+  sequence and signal counts stay in step for the next calls."""
+  rpr, D, T, e = 1024, 64, 16, 4
+  V = R * rpr
+  rng = np.random.default_rng(stable_seed("loopback-refuse-engram", R, transport))
+  with Loopback(R, _engram_window(R, rpr, D, 2, T * e, transport), timeout_s=5.0,
+                gin_emulated=transport == "gin_emulated") as lb:
+    table = oracle.make_x(rng, (V, D), BF16)
+    idx = rng.integers(-1, V, size=(R, T, e)).astype(np.int32)
+    lb.engram(table, idx)  # one call before: the refusal is not the first
+    t0 = time.monotonic()
+    rows, _, reports = lb.engram(table, idx, check=False, refuse=[1])
+    took = time.monotonic() - t0
+    for r in range(R):
+      if r == 1:
+        assert reports[1] == "" and rows[1] is None, reports
+        continue
+      assert "peer rank 1 refused this call" in reports[r], (r, reports)
+      assert not rows[r].any(), f"rank {r} returned rows from a refused call"
+    assert took < 2.5, f"the peers of a rank refusing engram returned after {took:.1f} s"
+    for rnd in range(3):
+      table = oracle.make_x(rng, (V, D), BF16)
+      rows, _, _ = lb.engram(table, idx)
+      _eq(rows, oracle.engram_fetch(table, idx), f"engram rows after the refusal, round {rnd}")
 
 
 @pytest.mark.parametrize("R,skip,op", [(2, 1, "dispatch"), (4, 2, "dispatch"), (2, 0, "combine")])

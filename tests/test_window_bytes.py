@@ -55,6 +55,24 @@ def test_engram_window_formula_equals_kernel_layout(rows, dim):
     assert got == want, (rows, dim, dtype, reserved, end, got, want)
 
 
+@pytest.mark.parametrize("R,n,dim", [(2, 1, 8), (2, 512 * 24, 128), (4, 33 * 5, 64), (8, 16 * 3, 8),
+                                     (8, 4097, 7168)])
+def test_engram_gin_window_formula_equals_kernel_layout(R, n, dim):
+  """With GIN peers a fetch's request/answer scratch (engram_layout.h
+  EngramGinArea) goes above reserved_bytes, below the table."""
+  import jax.numpy as jnp
+  m = _native.module()
+  for dtype, reserved, end in itertools.product(
+      (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn), (0, 4097, 12345), (0, 777)):
+    row_bytes = dim * jnp.dtype(dtype).itemsize
+    want = m.engram_window_bytes(1000, row_bytes, reserved, end, R, n)
+    got = _window.engram_bytes(rows_per_rank=1000, dim=dim, dtype=dtype, reserved_bytes=reserved,
+                               table_end_offset=end, gin_ranks=R, gin_rows=n)
+    assert got == want, (R, n, dim, dtype, reserved, end, got, want)
+    assert got > _window.engram_bytes(rows_per_rank=1000, dim=dim, dtype=dtype,
+                                      reserved_bytes=reserved, table_end_offset=end)
+
+
 def test_the_window_header_size_is_the_native_one():
   """The header size is written once per language (docs/design.md §3, the
   window layout)."""

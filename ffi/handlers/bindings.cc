@@ -361,17 +361,22 @@ void RegisterCudaBindings(nb::module_& m) {
 
   m.def(
       "engram_window_bytes",
-      [](int64_t rows_per_rank, int64_t row_bytes, int64_t reserved_bytes, int64_t end_offset) {
+      [](int64_t rows_per_rank, int64_t row_bytes, int64_t reserved_bytes, int64_t end_offset,
+         int gin_ranks, int64_t gin_rows) {
+        const size_t gin = gin_ranks > 0 ? jax_ep::EngramGinArea::Bytes(gin_ranks, gin_rows,
+                                                                          static_cast<size_t>(row_bytes))
+                                         : 0;
         return jax_ep::EngramWindow(0, rows_per_rank, static_cast<size_t>(row_bytes),
                                     static_cast<size_t>(reserved_bytes),
-                                    static_cast<size_t>(end_offset))
+                                    static_cast<size_t>(end_offset), gin)
             .need;
       },
       nb::arg("rows_per_rank"), nb::arg("row_bytes"), nb::arg("reserved_bytes") = 0,
-      nb::arg("end_offset") = 0,
-      "Smallest window that holds an Engram table shard above reserved_bytes "
-      "(EngramWindow::need, kernels/engram_layout.h); "
-      "jax_ep._ffi_engram.window_bytes_needed must agree with it.");
+      nb::arg("end_offset") = 0, nb::arg("gin_ranks") = 0, nb::arg("gin_rows") = 0,
+      "Smallest window that holds an Engram table shard above reserved_bytes and, for a fetch "
+      "of gin_rows rows at gin_ranks ranks with GIN peers, its request/answer scratch "
+      "(EngramWindow::need, EngramGinArea, kernels/engram_layout.h); "
+      "jax_ep._window.engram_bytes must agree with it.");
 
   m.def(
       "grouped_gemm_workspace_bytes",

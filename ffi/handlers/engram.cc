@@ -21,6 +21,9 @@
 //          table_end_offset i64 (as for the publish), num_sms i32 (0 = model)
 //   args:  token s32 [1], indices s32 [T, e] (global row ids in [-1, V))
 //   rets:  rows [T, e, D] of the published table's dtype
+//   With a GIN peer the rows of its shard come by request and answer
+//   (kernels/engram_gin.cu), through scratch above reserved_bytes that the
+//   window must hold too (kernels/engram_layout.h EngramGinArea).
 // jax_ep_engram_publish_fetch (both in one call: what the public op uses)
 //   attrs: comm_id i64, reserved_bytes i64, num_sms i32
 //   args:  table [V/R, D], indices s32 [T, e]
@@ -52,13 +55,26 @@ bool TableDtype(ffi::DataType t) {
 }
 
 // The same placement check for both targets (they must agree on table_off).
+// gin_bytes: the fetch's GIN scratch below the tables (0 for a publish, or
+// without GIN peers).
 ffi::Error PlaceTable(const char* op, const DeviceResources& dev, int64_t rows_per_rank,
                       size_t row_bytes, int64_t reserved_bytes, int64_t end_offset,
-                      EngramWindow* w) {
+                      EngramWindow* w, size_t gin_bytes = 0) {
   if (reserved_bytes < 0) return Invalid(op, "reserved_bytes must be >= 0");
   if (end_offset < 0) return Invalid(op, "table_end_offset must be >= 0");
   *w = EngramWindow(dev.window_bytes, rows_per_rank, row_bytes, static_cast<size_t>(reserved_bytes),
-                    static_cast<size_t>(end_offset));
+                    static_cast<size_t>(end_offset), gin_bytes);
+  if (!w->fits && gin_bytes > 0) {
+    return Invalid(op, "the symmetric window is too small for an Engram fetch with GIN peers: it "
+                       "needs " + std::to_string(w->need) + " bytes (" + std::to_string(gin_bytes) +
+                       " for the request/answer scratch of this fetch above reserved_bytes=" +
+                       std::to_string(reserved_bytes) + ", then the table shard of " +
+                       std::to_string(w->table_bytes) + " bytes and " + std::to_string(end_offset) +
+                       " bytes of the tables published above it) but the Communicator has " +
+                       std::to_string(dev.window_bytes) + "; create it with num_bytes >= " +
+                       std::to_string(w->need) + " (jax_ep._window.engram_bytes(..., gin_ranks=R, "
+                       "gin_rows=T*e))");
+  }
   if (!w->fits) {
     return Invalid(op, "the symmetric window is too small for the Engram table: it needs " +
                            std::to_string(w->need) + " bytes (" + std::to_string(w->table_bytes) +
@@ -110,7 +126,7 @@ ffi::Error PreparePublish(const char* op, const DeviceResources& dev, ffi::AnyBu
 ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<ffi::S32>& indices,
                         ffi::Result<ffi::AnyBuffer>& rows, int64_t rows_per_rank,
                         int64_t reserved_bytes, int64_t end_offset, int32_t num_sms,
-                        EngramFetchArgs* a) {
+                        EngramFetchArgs* a, EngramGinFetchArgs* gin) {
   const auto id = indices.dimensions();
   const auto od = rows->dimensions();
   if (id.size() != 2) return Invalid(op, "indices must be [T, e], got " + Dims(id));
@@ -129,10 +145,18 @@ ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<
   const int64_t n = id[0] * id[1];
   if (n > 0 && static_cast<uint64_t>(n) * row_bytes >= (uint64_t{1} << 31))
     return Invalid(op, "T * e * row bytes must be < 2^31 (split the lookup)");
+  // With a GIN peer the rows of its shard come by request and answer
+  // through scratch sized by this fetch (engram_layout.h EngramGinArea).
+  const size_t gin_bytes = dev.gin_mask != 0 ? EngramGinArea::Bytes(dev.nranks, n, row_bytes) : 0;
   EngramWindow w(0, 0, 0, 0);
-  if (ffi::Error err = PlaceTable(op, dev, rows_per_rank, row_bytes, reserved_bytes, end_offset, &w);
+  if (ffi::Error err = PlaceTable(op, dev, rows_per_rank, row_bytes, reserved_bytes, end_offset, &w,
+                                  gin_bytes);
       err.failure()) {
     return err;
+  }
+  if (gin_bytes > 0) {
+    gin->counters = dev.counters;
+    gin->area = EngramGinArea(w.gin_off, dev.nranks, n, row_bytes);
   }
   a->indices = indices.typed_data();
   a->num_rows = n;
@@ -144,6 +168,32 @@ ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// Where a peer is on GIN, a fetch that this rank's handler refuses would
+// leave that peer waiting for its request and its answer: declared right
+// after AcquireDevice, it stands in for the exchange (engram.cuh
+// LaunchEngramGinRefusal) unless Launched() came first, under the
+// conditions RefusalNotice states for the barriers (one rank per process,
+// no start pending).
+class EngramGinRefusal {
+ public:
+  EngramGinRefusal(const DeviceLease& lease, cudaStream_t stream) : lease_(lease), stream_(stream) {}
+  EngramGinRefusal(const EngramGinRefusal&) = delete;
+  EngramGinRefusal& operator=(const EngramGinRefusal&) = delete;
+  ~EngramGinRefusal() {
+    const DeviceResources* d = lease_.dev;
+    if (armed_ && d != nullptr && d->gin_mask != 0 && d->counters != nullptr &&
+        lease_.comm->devices.size() == 1 && d->nranks > 1 && d->side.pending == nullptr) {
+      LaunchEngramGinRefusal(d->peers(), d->counters, stream_);  // best effort
+    }
+  }
+  void Launched() { armed_ = false; }
+
+ private:
+  const DeviceLease& lease_;
+  cudaStream_t stream_;
+  bool armed_ = true;
+};
+
 ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                                 int64_t comm_id, int64_t reserved_bytes,
                                 int64_t table_end_offset, int32_t num_sms, ffi::AnyBuffer table,
@@ -151,7 +201,8 @@ ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, Com
   constexpr const char* kOp = "engram_publish";
   (void)num_sms;  // one CTA: within any n >= 1 (LaunchEngramPublish)
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true);
+      err.failure()) {
     return err;
   }
   RefusalNotice notice(lease, stream, kEngramPublishBarriers);
@@ -177,13 +228,16 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
                               ffi::Buffer<ffi::S32> indices, ffi::Result<ffi::AnyBuffer> rows) {
   constexpr const char* kOp = "engram_fetch";
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true);
+      err.failure()) {
     return err;
   }
+  EngramGinRefusal gin_refusal(lease, stream);
   if (token.element_count() != 1) return Invalid(kOp, "token must be the s32 [1] of engram_publish");
   EngramFetchArgs a;
+  EngramGinFetchArgs gin;
   if (ffi::Error err = PrepareFetch(kOp, *lease.dev, indices, rows, rows_per_rank, reserved_bytes,
-                                    table_end_offset, num_sms, &a);
+                                    table_end_offset, num_sms, &a, &gin);
       err.failure()) {
     return err;
   }
@@ -191,7 +245,8 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
   const int slot = lease.dev->engram_versions->Slot(
       a.table_off, static_cast<size_t>(a.rows_per_rank) * a.row_bytes);
   a.version = slot < 0 ? nullptr : lease.dev->engram_words() + 1 + slot;
-  if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream); err != cudaSuccess) {
+  gin_refusal.Launched();
+  if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream, gin); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
   return EndCall(lease, stream);
@@ -203,9 +258,13 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
                                     ffi::Result<ffi::AnyBuffer> rows) {
   constexpr const char* kOp = "engram_fetch";
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease); err.failure()) {
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kOp, lease, /*gin_data_path=*/true);
+      err.failure()) {
     return err;
   }
+  // Destroyed after `notice`: a refusal stands in for the publish's
+  // barriers first, then for the fetch's exchange.
+  EngramGinRefusal gin_refusal(lease, stream);
   RefusalNotice notice(lease, stream, kEngramPublishBarriers);  // the publish's
   // A publish writes the window; a pending start's kernels may be using it.
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
@@ -222,17 +281,19 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
     return err;
   }
   EngramFetchArgs fa;
+  EngramGinFetchArgs gin;
   if (ffi::Error err = PrepareFetch(kOp, *lease.dev, indices, rows, table.dimensions()[0],
-                                    reserved_bytes, /*end_offset=*/0, num_sms, &fa);
+                                    reserved_bytes, /*end_offset=*/0, num_sms, &fa, &gin);
       err.failure()) {
     return err;
   }
   const EpPeers peers = lease.dev->peers();
   notice.Launched();
+  gin_refusal.Launched();
   if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch (publish) launch");
   }
-  if (cudaError_t err = LaunchEngramFetch(fa, peers, stream); err != cudaSuccess) {
+  if (cudaError_t err = LaunchEngramFetch(fa, peers, stream, gin); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
   return EndCall(lease, stream);

@@ -48,7 +48,8 @@ namespace jax_ep {
 // (common.cuh), 26 the low-latency mismatch flag (low_latency.cuh), slots
 // from kGinSnapshotCounter on EpPeers.gin_snapshot (kMaxRanks * 32 of them,
 // gin.cuh's kGinSignalCount), then the Engram version words (engram.cuh);
-// 27..63 are free for kernels that need scratch counters.
+// 60 the Engram GIN fetch sequence (engram.cuh kEngramGinSeqCounter);
+// 27..59 and 61..63 are free for kernels that need scratch counters.
 constexpr int kGinSnapshotCounter = 64;
 static_assert(kCombineScanDoneCounter < kGinSnapshotCounter, "scanner counters overlap the GIN snapshot");
 constexpr int kEngramVersionCounter = kGinSnapshotCounter + kMaxRanks * 32;

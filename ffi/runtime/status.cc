@@ -21,7 +21,8 @@ const char* const* ConfigFieldNames(uint32_t op) {
       "tokens per rank", "hidden", "topk", "num_experts", "max_tokens",
       "low-latency area offset / 256 (from reserved_bytes)", "fp8"};
   static const char* const kEngram[kOpConfigFields] = {"rows per rank", "row bytes",
-                                                        "table offset / 16 (from reserved_bytes)"};
+                                                        "table offset / 16 (from reserved_bytes)",
+                                                        "rows per fetch (T * e; GIN peers)"};
   static const char* const kNone[kOpConfigFields] = {};
   switch (static_cast<Op>(op)) {
     case Op::kDispatch:

@@ -295,12 +295,22 @@ void FillLlCombine(Named& n, LlCombineArgs& a, unsigned long long* counters) {
 // Engram: publish this rank's shard (slot 0 of the version words, as the
 // first placement of a Communicator gets), then fetch from every shard with
 // the publish's token. Returns "" or why the arguments cannot run.
-std::string FillEngram(Named& n, EngramPublishArgs& pub, EngramFetchArgs& fetch, const Loopback& lb, int r) {
+// With emulated GIN the fetch goes through the request / answer exchange,
+// whose scratch sits below the table (engram_layout.h EngramGinArea).
+std::string FillEngram(Named& n, EngramPublishArgs& pub, EngramFetchArgs& fetch, EngramGinFetchArgs& gin,
+                       const Loopback& lb, int r) {
   const int64_t rows_per_rank = n.Int("rows_per_rank");
   const size_t row_bytes = static_cast<size_t>(n.Int("row_bytes"));
   if (rows_per_rank < 1 || row_bytes == 0 || row_bytes % 16) return "rows_per_rank >= 1 and row_bytes a multiple of 16";
-  const EngramWindow w(lb.window_bytes, rows_per_rank, row_bytes, 0);
+  const int64_t num_rows = n.Int("num_rows");
+  const bool emu = lb.gin_emulated && lb.nranks > 1;
+  const size_t gin_bytes = emu ? EngramGinArea::Bytes(lb.nranks, num_rows, row_bytes) : 0;
+  const EngramWindow w(lb.window_bytes, rows_per_rank, row_bytes, 0, 0, gin_bytes);
   if (!w.fits) return "the window is too small for the table: needs " + std::to_string(w.need) + " bytes";
+  if (emu) {
+    gin.counters = lb.counters[r];
+    gin.area = EngramGinArea(w.gin_off, lb.nranks, num_rows, row_bytes);
+  }
   unsigned long long* versions = lb.counters[r] + kEngramVersionCounter;
   pub.table = n.In("table");
   pub.table_bytes = w.table_bytes;
@@ -312,7 +322,7 @@ std::string FillEngram(Named& n, EngramPublishArgs& pub, EngramFetchArgs& fetch,
   pub.slot = 0;
   pub.clear.Set(0);
   fetch.indices = n.InAs<int32_t>("indices");
-  fetch.num_rows = n.Int("num_rows");
+  fetch.num_rows = num_rows;
   fetch.rows_per_rank = rows_per_rank;
   fetch.row_bytes = row_bytes;
   fetch.table_off = w.table_off;
@@ -362,6 +372,7 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
   std::vector<LlCombineArgs> lca(R);
   std::vector<EngramPublishArgs> epa(R);
   std::vector<EngramFetchArgs> efa(R);
+  std::vector<EngramGinFetchArgs> ega(R);
   // Every rank's CTAs must be resident at once (they wait on each other).
   const int sms_per_rank = std::max(1, lb.sms / R);
   for (int r = 0; r < R; ++r) {
@@ -383,7 +394,7 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
       FillLlCombine(n, lca[r], lb.counters[r]);
       msg = ValidateLlCombine(lca[r], p);
     } else if (op == "engram") {
-      msg = FillEngram(n, epa[r], efa[r], lb, r);
+      msg = FillEngram(n, epa[r], efa[r], ega[r], lb, r);
     } else {
       throw std::invalid_argument("jax_ep loopback: unknown op '" + op +
                                   "' (dispatch, combine, ll_dispatch, ll_combine, engram)");
@@ -400,8 +411,11 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     if (refuses[r]) {
       if (op == "dispatch") err = LaunchRefusedBarriers(p, kDispatchBarriers, lb.streams[r]);
       else if (op == "combine") err = LaunchRefusedBarriers(p, kCombineBarriers, lb.streams[r]);
-      else if (op == "engram") err = LaunchRefusedBarriers(p, kEngramPublishBarriers, lb.streams[r]);
-      else err = LaunchLlRefusal(p, op == "ll_combine", lb.counters[r], lb.streams[r]);
+      else if (op == "engram") {
+        err = LaunchRefusedBarriers(p, kEngramPublishBarriers, lb.streams[r]);
+        // The fetch's exchange with GIN peers (nothing is launched without).
+        if (err == cudaSuccess) err = LaunchEngramGinRefusal(p, lb.counters[r], lb.streams[r]);
+      } else err = LaunchLlRefusal(p, op == "ll_combine", lb.counters[r], lb.streams[r]);
       Check(err, op + " refusal on rank " + std::to_string(r));
       continue;
     }
@@ -411,7 +425,7 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     else if (op == "ll_dispatch") err = LaunchLlDispatch(lda[r], p, sms_per_rank, lb.streams[r]);
     else if (op == "ll_combine") err = LaunchLlCombine(lca[r], p, sms_per_rank, lb.streams[r]);
     else if ((err = LaunchEngramPublish(epa[r], p, lb.streams[r])) == cudaSuccess)
-      err = LaunchEngramFetch(efa[r], p, lb.streams[r]);
+      err = LaunchEngramFetch(efa[r], p, lb.streams[r], ega[r]);
     Check(err, op + " launch on rank " + std::to_string(r));
   }
   std::vector<std::string> reports(R);

@@ -108,13 +108,28 @@ def engram_slot_bytes(*, rows_per_rank: int, dim: int, dtype) -> int:
   return round_up(size, _ALIGN) + _ALIGN
 
 
+def engram_gin_bytes(*, num_ranks: int, rows: int, dim: int, dtype) -> int:
+  """The scratch of one Engram fetch of `rows` (T * e) rows on a
+  communicator with GIN peers (engram_layout.h EngramGinArea::Bytes): per
+  rank a request and an answer slot in and out, each rounded up to 256
+  bytes, and where each row arrives (u32 per row)."""
+  n = int(rows)
+  req = round_up(4 * n, _ALIGN)
+  resp = round_up(n * int(dim) * jnp.dtype(dtype).itemsize, _ALIGN)
+  return 2 * int(num_ranks) * (req + resp) + req
+
+
 def engram_bytes(*, rows_per_rank: int, dim: int, dtype, reserved_bytes: int = 0,
-                 table_end_offset: int = 0) -> int:
+                 table_end_offset: int = 0, gin_ranks: int = 0, gin_rows: int = 0) -> int:
   """Smallest window that holds the header, `reserved_bytes` for
   dispatch/combine, the tables above this one (`table_end_offset` bytes at
   the end) and this table's shard below them (engram_layout.h
-  EngramWindow::need)."""
-  return (_above(reserved_bytes) +
+  EngramWindow::need). With `gin_ranks` > 0 (a communicator of that many
+  ranks with GIN peers) also a fetch's request/answer scratch for
+  `gin_rows` rows, which sits above `reserved_bytes`, below the tables."""
+  gin = (engram_gin_bytes(num_ranks=gin_ranks, rows=gin_rows, dim=dim, dtype=dtype)
+         if int(gin_ranks) > 0 else 0)
+  return (_above(reserved_bytes) + gin +
           engram_table_bytes(rows_per_rank=rows_per_rank, dim=dim, dtype=dtype) +
           int(table_end_offset))
 
@@ -123,7 +138,8 @@ def engram_bytes(*, rows_per_rank: int, dim: int, dtype, reserved_bytes: int = 0
 
 def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
                          num_experts: int, dtype_bytes: int = 2,
-                         low_latency: bool = False, engram_tables=()) -> int:
+                         low_latency: bool = False, engram_tables=(),
+                         engram_fetch_rows: int = 0) -> int:
   """Window bytes per rank that the ops need for a config.
 
   Normal mode: exactly what the dispatch/combine kernels lay out
@@ -138,6 +154,9 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   will be published side by side (engram_publish(..., above=...)) in the
   same window: they sit at its end, each rounded up to 256 bytes plus 256
   bytes of slack, as engram_publish stacks them.
+  engram_fetch_rows: on a communicator with GIN peers, the most rows (T * e)
+  one Engram fetch of those tables asks for: its request/answer scratch
+  (`engram_gin_bytes`, at the widest table's rows) goes below the tables.
   """
   for name, v in (("num_ranks", num_ranks), ("tokens_per_rank", tokens_per_rank),
                   ("hidden", hidden), ("topk", topk), ("num_experts", num_experts),
@@ -151,6 +170,10 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
     need = normal_bytes(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
                         x_bytes=dtype_bytes, y_bytes=max(dtype_bytes, 2))  # combine: bf16 or wider
   if engram_tables:
-    need = round_up(need, GRANULE) + sum(
+    gin = 0
+    if engram_fetch_rows > 0 and r > 1:
+      gin = max(engram_gin_bytes(num_ranks=r, rows=engram_fetch_rows, dim=d, dtype=dt)
+                for _, d, dt in engram_tables)
+    need = round_up(need, GRANULE) + round_up(gin, _ALIGN) + sum(
         engram_slot_bytes(rows_per_rank=v, dim=d, dtype=dt) for v, d, dt in engram_tables)
   return round_up(need, GRANULE)

@@ -7,7 +7,8 @@
     `reserved_bytes`; ffi/kernels/engram_layout.h) between two cross-rank
     barriers.
   "jax_ep_engram_fetch": (token, indices [T, e] s32) -> rows [T, e, D]; plain
-    NVLink loads from the owners' windows. Taking the token as an operand is
+    NVLink loads from the owners' windows (an owner reached by GIN gets the
+    row ids and puts the rows back: ffi/kernels/engram_gin.cu). Taking the token as an operand is
     what makes XLA run the publish first. For "publish once, fetch many":
     a later publish in the same program must depend on those fetches'
     outputs, or XLA may run it before them.

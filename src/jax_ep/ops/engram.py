@@ -9,7 +9,8 @@ Two ways to call it:
   the op did before publish existed).
 
 Backends: backend=None / "auto" runs the CUDA path (publish the local shard
-into the symmetric window, then one-sided NVLink loads from the owners) on
+into the symmetric window, then one-sided NVLink loads from the owners; an
+owner reached by GIN is sent the row ids and puts the rows back) on
 the CUDA platform when jax_ep was built with CUDA, a Communicator exists for
 the axis, the table's rows suit the kernel and the window holds it (with
 `reserved_bytes` below it and the tables `above`); otherwise the reference
@@ -63,10 +64,23 @@ def _check(table, indices, scales, axis_name, backend, reserved_bytes):
     raise ValueError(f"reserved_bytes must be >= 0, got {reserved_bytes}")
 
 
-def _kernel_conditions(table, reserved_bytes: int, end: int = 0) -> dict:
+def _gin_ranks(axis_name: str) -> int:
+  """The EP size where the axis' Communicator reaches a peer by GIN (its
+  fetches then exchange requests and answers through scratch in the window,
+  `_window.engram_gin_bytes`), else 0."""
+  comm = _backend.cuda_comm(axis_name)
+  info = getattr(comm, "info", None)
+  if info is None or not any(d.get("gin_mask", 0) for d in info()):
+    return 0
+  return int(comm.num_ranks)
+
+
+def _kernel_conditions(table, reserved_bytes: int, end: int = 0, *, axis_name: str = "ep",
+                       fetch_rows: int = 0) -> dict:
   """What the kernels need of this table, for `_backend.choose`: a dtype and
   row they take, and a window that holds the table above `reserved_bytes`
-  and `end` bytes below the window's end."""
+  and `end` bytes below the window's end (and, for a fetch of `fetch_rows`
+  rows with GIN peers, the exchange's scratch below the table)."""
   dtype, (rows, dim) = jnp.dtype(table.dtype), table.shape
   row_bytes = int(dim) * dtype.itemsize
   refusal = None
@@ -75,11 +89,15 @@ def _kernel_conditions(table, reserved_bytes: int, end: int = 0) -> dict:
   elif row_bytes == 0 or row_bytes % 16:
     refusal = (f"engram (cuda): a table row (D={dim} x {dtype.itemsize} bytes = {row_bytes}) "
                "must be a positive multiple of 16 bytes")
+  gin_ranks = _gin_ranks(axis_name) if fetch_rows > 0 else 0
   need = _window.engram_bytes(rows_per_rank=rows, dim=dim, dtype=dtype,
-                              reserved_bytes=reserved_bytes, table_end_offset=end)
+                              reserved_bytes=reserved_bytes, table_end_offset=end,
+                              gin_ranks=gin_ranks, gin_rows=fetch_rows)
+  gin = (f", and the GIN request/answer scratch of {fetch_rows} rows below it"
+         if gin_ranks else "")
   return dict(refusal=refusal, window_need=need,
               window_what=f"the table shard [{rows} x {row_bytes} bytes] above "
-                          f"reserved_bytes={reserved_bytes}, {end} bytes below the end")
+                          f"reserved_bytes={reserved_bytes}, {end} bytes below the end{gin}")
 
 
 def _reference_rows(table, indices, axis_name):
@@ -129,7 +147,8 @@ def engram_publish(table: jax.Array, scales: Optional[jax.Array] = None, *,
     end = above.table_end_offset + _window.engram_slot_bytes(
         rows_per_rank=above.table.shape[0], dim=above.table.shape[1], dtype=above.table.dtype)
   choice = _backend.choose(backend, op="engram_publish", axis_name=axis_name,
-                           **_kernel_conditions(table, int(reserved_bytes), end))
+                           **_kernel_conditions(table, int(reserved_bytes), end,
+                                                axis_name=axis_name))
   if not choice.kernels:
     return PublishedTable(table=table, scales=scales, token=None, axis_name=axis_name,
                           backend="reference", reserved_bytes=int(reserved_bytes),
@@ -234,7 +253,8 @@ def engram_fetch_start(table: jax.Array, indices: jax.Array, *, axis_name: str =
                          p.table.shape[0])
   _check(table, indices, scales, axis_name, backend, reserved_bytes)
   choice = _backend.choose(backend, op="engram_fetch", axis_name=axis_name,
-                           **_kernel_conditions(table, int(reserved_bytes)))
+                           **_kernel_conditions(table, int(reserved_bytes), axis_name=axis_name,
+                                                fetch_rows=indices.size))
   if not choice.kernels:
     return ref.engram_fetch_start(table, indices, axis_name=axis_name, scales=scales)
   rows = _rows(table, indices, choice=choice, reserved_bytes=int(reserved_bytes), num_sms=sms)
@@ -289,7 +309,8 @@ def engram_fetch(table: jax.Array, indices: jax.Array, *, axis_name: str = "ep",
                                                 scales=scales, backend=backend,
                                                 reserved_bytes=reserved_bytes, num_sms=sms))
   choice = _backend.choose(backend, op="engram_fetch", axis_name=axis_name,
-                           **_kernel_conditions(table, int(reserved_bytes)))
+                           **_kernel_conditions(table, int(reserved_bytes), axis_name=axis_name,
+                                                fetch_rows=indices.size))
   return _fetch_vjp(choice, int(reserved_bytes), sms, table, indices)
 
 

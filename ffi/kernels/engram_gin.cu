@@ -131,7 +131,9 @@ __global__ void __launch_bounds__(kRequestThreads)
   g.counters[kEngramGinSeqCounter] = seq;
   for (int o = 0; o < p.nranks; ++o) {
     if (!s_gin[o]) continue;
-    SendWithWord(p, kOp, o, area.req_in(p.rank), area.req_out(o), 4 * static_cast<size_t>(s_count[o]),
+    // Whole 16-byte units (the slot has room: 256-byte multiples), which
+    // the emulated put copies as vectors.
+    SendWithWord(p, kOp, o, area.req_in(p.rank), area.req_out(o), 16 * ((static_cast<size_t>(s_count[o]) + 3) / 4),
                  EngramGinWord::kReqOut, EngramGinWord::kReqIn, MakeTagged(seq, s_count[o]), Shape(a),
                  kGinEngramRequestChannel);
   }

@@ -298,6 +298,24 @@ def test_buffer_size_hint_makes_room_for_stacked_engram_tables():
     assert need <= hint < need + (2 << 20) and hint % (2 << 20) == 0
 
 
+def test_buffer_size_hint_makes_room_for_a_gin_fetchs_scratch_below_the_tables():
+    """With GIN peers a fetch of T * e rows needs its request/answer scratch
+    (engram_layout.h EngramGinArea) below the tables: the hint counts it for
+    the widest table's rows."""
+    from jax_ep import _window
+
+    kw = dict(num_ranks=4, tokens_per_rank=64, hidden=256, topk=2, num_experts=8)
+    base = jax_ep.get_buffer_size_hint(**kw)
+    tables = [(524288, 128, jnp.bfloat16), (1000, 64, jnp.float32)]
+    hint = jax_ep.get_buffer_size_hint(**kw, engram_tables=tables)
+    gin = _window.engram_gin_bytes(num_ranks=4, rows=512 * 24, dim=128, dtype=jnp.bfloat16)
+    assert gin == 2 * 4 * (512 * 24 * 4 + 512 * 24 * 256) + 512 * 24 * 4
+    with_gin = jax_ep.get_buffer_size_hint(**kw, engram_tables=tables, engram_fetch_rows=512 * 24)
+    slots = (524288 * 256 + 256) + (1000 * 256 + 256)
+    assert base + gin + slots <= with_gin <= hint + gin + (2 << 20)
+    assert with_gin % (2 << 20) == 0
+
+
 def test_a_kernels_publication_without_its_communicator_raises_naming_it():
     """A PublishedTable the kernels made lives in one Communicator's window:
     fetching from it once no Communicator of that id is open on the axis

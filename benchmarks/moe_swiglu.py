@@ -23,6 +23,13 @@ floor_us: the step's expert GEMMs (T*K rows per rank through w13 and w2;
 forward only for inference, forward + dgrad + wgrad for the steps) at the
 dense bf16 or e4m3 matmul rate measured in the same run (XLA's dot,
 cuBLAS(Lt)), and share_of_floor = floor_us / time_us.
+bytes_floor_us: what the expert weights alone cost at the HBM rate measured
+in the same run (a device copy): each GEMM reads its weights once (bf16, or
+e4m3 + block scales), the weight gradients are written once in the param
+dtype, and the in-step cast reads the bf16 weights and writes both FP8
+copies. At E_l = 256 experts of ~128 rows each the weights outweigh the
+rows, so this floor, not the FLOPs', bounds the step. kernel_parts: GPU µs
+per step by kernel name (the largest), from a profile of one step.
 """
 from __future__ import annotations
 
@@ -59,6 +66,43 @@ def dense_rates(shape: "bm.MoEShape", quick: bool) -> dict:
     t = bn.time_or_none(f"dense_{name}", fn, args, quick)
     rates[name] = None if t is None else 2.0 * m * k * n / t
   return rates
+
+
+def hbm_rate(quick: bool) -> Optional[float]:
+  """Bytes/s of a device-to-device copy of 2 GiB (read + write counted;
+  2 MiB when quick), timed here: the rate the bytes floors use."""
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(12), (1 << (20 if quick else 30),), jnp.bfloat16)
+  copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+  jax.block_until_ready(copy(a))
+  t = bn.time_or_none("hbm_copy", copy, (a,), quick)
+  return None if t is None else 2.0 * a.nbytes / t
+
+
+def weight_bytes(shape: "bm.MoEShape", ranks: int, kind: str, precision: str) -> float:
+  """HBM bytes of one rank's expert weights for a step / forward / cast
+  (bytes_floor_us in the module's docstring)."""
+  n = (shape.experts // ranks) * shape.hidden * 3 * shape.ffn
+  w16, w8 = 2.0 * n, n * (1.0 + 4.0 / (128 * 128))
+  if kind == "cast":
+    return w16 + 2 * w8
+  if kind == "forward":
+    return w16 if precision == "bf16" else w8
+  return (3 * w16) if precision == "bf16" else (2 * w8 + w16)
+
+
+def kernel_parts(fn, args, top: int = 10) -> tuple[Optional[float], Optional[dict]]:
+  """(GPU busy µs per call, the `top` kernels by µs per call) of a profiled
+  call of `fn`; (None, None) when the trace cannot be read."""
+  try:
+    evs, names = bn.profile_step(fn, args, 1)
+  except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
+    print(f"  profile: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return None, None
+  tr = bn.chain_times(bn._gpu_events(evs, names), None, 3)
+  parts = sorted((tr["kernel_parts"] or {}).items(), key=lambda kv: -kv[1])[:top]
+  return tr["gpu_us"], {k[:100]: round(v, 1) for k, v in parts}
 
 
 def _layer(shape, mesh, precision: str, *, backend=None):
@@ -161,11 +205,14 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
       print(f"  {impl}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
       runs[impl] = (None, args, runs[impl][2], runs[impl][3])
   rates = dense_rates(shape, quick)
+  hbm = hbm_rate(quick)
   fwd = gemm_flops(shape)
   records, times = [], {}
   for impl, (fn, args, kind, precision) in runs.items():
     t = None if fn is None else bn.time_or_none(impl, fn, args, quick, max_iters=5)
     times[impl] = t
+    busy, parts = (None, None) if t is None or quick else kernel_parts(fn, args)
+    wbytes = weight_bytes(shape, r_count, kind, precision)
     flops = {"step": 3 * fwd, "forward": fwd, "cast": 0.0}[kind]
     rate = rates.get(precision)
     floor = None if (rate is None or not flops) else flops / rate
@@ -177,6 +224,9 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
         gemm_tflops=flops / 1e12, floor_us=None if floor is None else floor * 1e6,
         share_of_floor=None if (floor is None or t is None) else floor / t,
         dense_tflops_per_s=None if rate is None else rate / 1e12,
+        weight_gbytes=wbytes / 1e9, hbm_gbps=None if hbm is None else hbm / 1e9,
+        bytes_floor_us=None if hbm is None else wbytes / hbm * 1e6,
+        gpu_busy_us=busy, kernel_parts=parts,
         dropped_pairs=None, capacity_factor=(shape.capacity_factor
                                              if impl.startswith("jax_native") else None)))
   base = {"step": times.get("jax_ep"), "forward": times.get("jax_ep_inference")}
@@ -188,7 +238,11 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
       r["speedup_vs_jax_native"] = None if (t is None or native is None) else native / t
     share, up = r["share_of_floor"], r["speedup_vs_jax_ep_bf16"]
     timing = "-" if t is None else f"{t * 1e3:9.2f} ms"
+    bfloor = r["bytes_floor_us"]
     print(f"  T={shape.tokens:5d} {r['impl']:24s} {timing:>12s}"
           + ("" if share is None else f"  {share:.2f} of its floor")
+          + ("" if bfloor is None or t is None else f", {bfloor / (t * 1e6):.2f} of its bytes floor")
           + ("" if up is None else f"  x{up:.2f} vs bf16"), flush=True)
+    for name, us in (r["kernel_parts"] or {}).items():
+      print(f"      {us:9.1f} us  {name}", flush=True)
   return records

@@ -78,6 +78,14 @@ def test_moe_swiglu_run_records_every_variant_next_to_its_floor_on_cpu():
     assert r["activation"] == "swiglu" and r["time_us"] > 0, impl
     if r["kind"] != "cast":
       assert r["floor_us"] > 0 and r["share_of_floor"] > 0, impl
+    assert r["bytes_floor_us"] > 0, impl
+  # The weights' bytes of one rank (8 experts over the 8 CPU devices): a bf16
+  # step reads them twice and writes their gradients; the cached FP8 step
+  # reads half as many bytes twice and writes bf16 gradients.
+  w16 = 2 * (8 // len(jax.devices())) * 128 * 3 * 128
+  assert impls["jax_ep"]["weight_gbytes"] * 1e9 == pytest.approx(3 * w16)
+  assert impls["jax_ep_fp8_cached"]["weight_gbytes"] * 1e9 == pytest.approx(2 * w16, rel=1e-3)
+  assert impls["jax_ep_fp8_inference"]["weight_gbytes"] * 1e9 == pytest.approx(w16 / 2, rel=1e-3)
   assert impls["jax_ep"]["speedup_vs_jax_ep_bf16"] == 1.0
   assert impls["jax_ep_fp8_inference"]["speedup_vs_jax_ep_bf16"] > 0
   assert impls["jax_ep_fp8"]["speedup_vs_jax_native"] > 0

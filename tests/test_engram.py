@@ -310,7 +310,9 @@ def test_buffer_size_hint_makes_room_for_a_gin_fetchs_scratch_below_the_tables()
     hint = jax_ep.get_buffer_size_hint(**kw, engram_tables=tables)
     gin = _window.engram_gin_bytes(num_ranks=4, rows=512 * 24, dim=128, dtype=jnp.bfloat16)
     assert gin == 2 * 4 * (512 * 24 * 4 + 512 * 24 * 256) + 512 * 24 * 4
-    with_gin = jax_ep.get_buffer_size_hint(**kw, engram_tables=tables, engram_fetch_rows=512 * 24)
+    with_gin = jax_ep.get_buffer_size_hint(**kw, engram_tables=tables, gin=True,
+                                           engram_fetch_rows=512 * 24)
+    assert jax_ep.get_buffer_size_hint(**kw, engram_tables=tables, engram_fetch_rows=512 * 24) == hint
     slots = (524288 * 256 + 256) + (1000 * 256 + 256)
     assert base + gin + slots <= with_gin <= hint + gin + (2 << 20)
     assert with_gin % (2 << 20) == 0

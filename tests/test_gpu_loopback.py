@@ -239,6 +239,28 @@ def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E
       _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
 
 
+@pytest.mark.parametrize("R,T,H,K,E,mt,fp8", [
+    (2, 128, 7168, 8, 256, 128, True),   # docs/design.md §6 low-latency shape
+    (2, 37, 2048, 6, 64, 64, False),
+    (2, 0, 128, 2, 8, 4, False),
+    (4, 37, 2048, 6, 64, 64, True),
+    (4, 16, 1024, 8, 64, 16, False),
+    (8, 16, 1024, 8, 64, 16, True),
+    (8, 33, 512, 4, 32, 40, False),
+])
+def test_low_latency_kernels_over_emulated_gin_at_several_ranks_bitwise_equal_oracle(
+    R, T, H, K, E, mt, fp8):
+  """low_latency_peers.cuh's GIN path: every peer a GIN peer, so rows, source
+  entries and count / flag words go through the staging area and puts, and
+  a receiver reads a peer's words only after its call's signal."""
+  rng = np.random.default_rng(stable_seed("loopback-ll-gin", R, T, H, K, E, mt, fp8))
+  nbytes = _window.low_latency_bytes(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
+                                     num_experts=E, gin=True)
+  with Loopback(R, nbytes, gin_emulated=True) as lb:
+    for rnd in range(3):  # both of the kernels' double buffers, and back to the first
+      _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
+
+
 def _engram_window(R, rpr, D, itemsize, rows, transport):
   """A window for one table and, over emulated GIN, the fetch's
   request/answer scratch below it (engram_layout.h EngramGinArea)."""
@@ -437,10 +459,10 @@ def test_an_engram_publish_of_another_table_shape_names_both_values_then_next_ca
 _LL = dict(T=32, H=2048, K=4, E=32, mt=64)
 
 
-def _ll_window(reserved=0):
+def _ll_window(reserved=0, gin=False):
   c = _LL
   return reserved + _window.low_latency_bytes(num_ranks=2, max_tokens=c["mt"], hidden=c["H"],
-                                                         topk=c["K"], num_experts=c["E"])
+                                              topk=c["K"], num_experts=c["E"], gin=gin)
 
 
 @pytest.mark.parametrize("field,here,name,values", [
@@ -509,6 +531,27 @@ def _refused_normal_call(lb, rng, op, R, T, H, K, E):
   return lb.combine(y, None, outs, idx, E=E, layout="rank", check=False, refuse=[1])[1]
 
 
+def _refused_ll_call(lb, rng, op):
+  """A low-latency round to set the layout up (a refusal does not stand in
+  for the layout reset's barriers, abort.h), then one call of `op` on
+  every rank but rank 1, whose handler refuses it; -> (seconds the call
+  took, the per-rank reports)."""
+  c, R = _LL, lb.R
+  _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, "before the refusal")
+  idx, w = oracle.make_topk(rng, R, c["T"], c["K"], c["E"])
+  x = oracle.make_x(rng, (R, c["T"], c["H"]), BF16)
+  if op == "ll_combine":
+    outs, _ = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"])
+    y = oracle.make_x(rng, (R, c["E"] // R, R * c["mt"], c["H"]), BF16)
+  t0 = time.monotonic()
+  if op == "ll_dispatch":
+    _, reports = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"], check=False, refuse=[1])
+  else:
+    _, reports = lb.ll_combine(y, idx, w, outs, E=c["E"], max_tokens=c["mt"], check=False,
+                               refuse=[1])
+  return time.monotonic() - t0, reports
+
+
 @pytest.mark.parametrize("op", ["dispatch", "combine", "ll_dispatch", "ll_combine"])
 def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_calls_work(op):
   """kernels/abort.h on virtual ranks: rank 1 launches what its handler
@@ -528,24 +571,11 @@ def test_a_rank_whose_handler_refuses_makes_its_peer_fail_at_once_then_next_call
     if op in ("dispatch", "combine"):
       t0 = time.monotonic()
       reports = _refused_normal_call(lb, rng, op, R, T, H, K, E)
+      took = time.monotonic() - t0
       again = lambda: _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
     else:
-      # The layout is set up first: a refusal does not stand in for the
-      # layout reset's barriers (abort.h).
-      _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, "before the refusal")
-      idx, w = oracle.make_topk(rng, R, c["T"], c["K"], c["E"])
-      x = oracle.make_x(rng, (R, c["T"], c["H"]), BF16)
-      if op == "ll_combine":
-        outs, _ = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"])
-        y = oracle.make_x(rng, (R, c["E"] // R, R * c["mt"], c["H"]), BF16)
-      t0 = time.monotonic()
-      if op == "ll_dispatch":
-        got, reports = lb.ll_dispatch(x, idx, E=c["E"], max_tokens=c["mt"], check=False, refuse=[1])
-      else:
-        got, reports = lb.ll_combine(y, idx, w, outs, E=c["E"], max_tokens=c["mt"], check=False,
-                                     refuse=[1])
+      took, reports = _refused_ll_call(lb, rng, op)
       again = lambda: _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, "after the refusal")
-    took = time.monotonic() - t0
     assert "peer rank 1 refused this call" in reports[0], reports
     assert reports[1] == "", reports
     assert took < 2.5, f"{op}: the peer of a refusing rank returned after {took:.1f} s"
@@ -571,6 +601,24 @@ def test_a_gin_peer_of_a_refusing_rank_fails_at_once_then_next_calls_work(op):
     assert took < 2.5, f"{op}: the GIN peer of a refusing rank returned after {took:.1f} s"
     for _ in range(3):
       _round(lb, rng, T, H, K, E, "bf16", "random", "rank")
+
+
+@pytest.mark.parametrize("op", ["ll_dispatch", "ll_combine"])
+def test_a_low_latency_gin_peer_of_a_refusing_rank_fails_at_once_then_next_calls_work(op):
+  """low_latency_peers.cuh over emulated GIN: rank 1's stand-in for the
+  refused call puts a refusal word tagged with the call ahead of the call's
+  one signal, so rank 0, which cannot read rank 1's record, names the
+  refusal as soon as the signal comes instead of timing out; and the signal
+  counts stay equal to the sequence numbers for the next calls."""
+  c = _LL
+  rng = np.random.default_rng(stable_seed("loopback-ll-refuse-gin", op))
+  with Loopback(2, _ll_window(gin=True), timeout_s=5.0, gin_emulated=True) as lb:
+    took, reports = _refused_ll_call(lb, rng, op)
+    assert "peer rank 1 refused this call" in reports[0], reports
+    assert reports[1] == "", reports
+    assert took < 2.5, f"{op}: the GIN peer of a refusing rank returned after {took:.1f} s"
+    for rnd in range(3):
+      _ll_round(lb, rng, c["T"], c["H"], c["K"], c["E"], c["mt"], False, f"after the refusal, round {rnd}")
 
 
 @pytest.mark.parametrize("R,transport", [(2, "lsa"), (2, "gin_emulated"), (4, "gin_emulated")])

@@ -34,11 +34,25 @@ def test_python_window_hint_equals_kernel_layout(R, T, H, K, E):
     (1, 1, 128, 1, 8, 0), (2, 128, 7168, 8, 256, 0), (2, 37, 2048, 6, 64, 12345),
     (8, 128, 7168, 8, 256, 1 << 20), (4, 256, 4096, 32, 1024, 0),
 ])
-def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved):
-  want = _native.module().ll_window_bytes(R, M, H, K, E, reserved)
+@pytest.mark.parametrize("gin", [False, True])
+def test_low_latency_window_formula_equals_kernel_layout(R, M, H, K, E, reserved, gin):
+  """With `gin` (a peer reached by GIN) the kernels' staging area too."""
+  want = _native.module().ll_window_bytes(R, M, H, K, E, reserved, gin)
   got = _window.low_latency_bytes(num_ranks=R, max_tokens=M, hidden=H, topk=K,
-                                  num_experts=E, reserved_bytes=reserved)
-  assert got == want, (R, M, H, K, E, reserved, got, want)
+                                  num_experts=E, reserved_bytes=reserved, gin=gin)
+  assert got == want, (R, M, H, K, E, reserved, gin, got, want)
+
+
+def test_the_low_latency_staging_area_comes_only_with_gin_peers_and_in_the_hint():
+  """An NVLink-only communicator pays nothing for GIN; the hint with gin=True
+  covers the staging area."""
+  c = dict(num_ranks=8, max_tokens=128, hidden=7168, topk=8, num_experts=256)
+  lsa, gin = _window.low_latency_bytes(**c), _window.low_latency_bytes(**c, gin=True)
+  assert gin > lsa
+  hint = dict(num_ranks=8, tokens_per_rank=128, hidden=7168, topk=8, num_experts=256,
+              low_latency=True)
+  assert _window.get_buffer_size_hint(**hint) >= lsa
+  assert _window.get_buffer_size_hint(**hint, gin=True) >= gin > _window.get_buffer_size_hint(**hint)
 
 
 @pytest.mark.parametrize("rows,dim", [(0, 8), (1, 8), (1000, 256), (4097, 7168), (7, 24)])

@@ -341,13 +341,14 @@ void RegisterCudaBindings(nb::module_& m) {
 
   m.def(
       "ll_window_bytes",
-      [](int R, int M, int H, int K, int E, int64_t reserved_bytes) {
-        return jax_ep::LlWindowBytes(R, M, H, K, E, static_cast<size_t>(reserved_bytes));
+      [](int R, int M, int H, int K, int E, int64_t reserved_bytes, bool gin) {
+        return jax_ep::LlWindowBytes(R, M, H, K, E, static_cast<size_t>(reserved_bytes), gin);
       },
       nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"),
-      nb::arg("num_experts"), nb::arg("reserved_bytes") = 0,
-      "Window bytes the low-latency kernels lay out (kernels/low_latency.cuh); "
-      "jax_ep._ffi_low_latency.window_bytes_needed must agree with it.");
+      nb::arg("num_experts"), nb::arg("reserved_bytes") = 0, nb::arg("gin") = false,
+      "Window bytes the low-latency kernels lay out (kernels/low_latency.cuh), with the "
+      "staging area of GIN peers when `gin`; jax_ep._window.low_latency_bytes must agree "
+      "with it.");
 
   m.def(
       "window_bytes_needed",

@@ -27,6 +27,7 @@
 #include "handlers/state.h"
 #include "kernels/launch_policy.h"
 #include "kernels/low_latency.cuh"
+#include "kernels/peer.cuh"
 
 namespace jax_ep {
 static_assert(kLlMismatchCounter < kGinSnapshotCounter, "the low-latency counter slots overlap others (comm.h)");
@@ -34,6 +35,8 @@ namespace {
 
 constexpr const char* kDispatchOp = "low_latency_dispatch";
 constexpr const char* kCombineOp = "low_latency_combine";
+// The kernels reach GIN peers too (kernels/low_latency_peers.cuh).
+constexpr bool kGinPath = true;
 
 ffi::Error CheckConfig(const char* op, const EpPeers& peers, int32_t num_experts,
                        int64_t reserved_bytes) {
@@ -84,7 +87,8 @@ ffi::Error LaunchDispatch(LlDispatchArgs& a, DeviceLease& lease, int32_t device_
   if (std::string msg = ValidateLlDispatch(a, peers); !msg.empty()) return Invalid(kDispatchOp, msg);
   if (ffi::Error err = ClearOverwrittenTables(
           *lease.dev,
-          LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes),
+          LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes,
+                        AnyGinPeer(peers)),
           stream);
       err.failure()) {
     return err;
@@ -132,7 +136,7 @@ ffi::Error LlDispatchExecute(cudaStream_t stream, int32_t device_ordinal, CommSt
                              ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                              ffi::Result<ffi::Buffer<ffi::S32>> src_entry) {
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease, kGinPath); err.failure())
     return err;
   RefusalNotice notice(lease, stream, 0, Op::kLowLatencyDispatch);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
@@ -159,7 +163,7 @@ ffi::Error LlDispatchSendExecute(cudaStream_t stream, int32_t device_ordinal, Co
                                  int32_t num_sms, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                                  ffi::Result<ffi::Buffer<ffi::S32>> token) {
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease, kGinPath); err.failure())
     return err;
   RefusalNotice notice(lease, stream, 0, Op::kLowLatencyDispatch);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
@@ -185,7 +189,7 @@ ffi::Error LlDispatchRecvExecute(cudaStream_t stream, int32_t device_ordinal, Co
                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                  ffi::Result<ffi::Buffer<ffi::S32>> src_entry) {
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease); err.failure())
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kDispatchOp, lease, kGinPath); err.failure())
     return err;
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kDispatchOp, stream); err.failure()) return err;
   const EpPeers peers = lease.dev->peers();
@@ -211,7 +215,8 @@ ffi::Error LaunchCombine(LlCombineArgs& a, DeviceLease& lease, int32_t device_or
   if (std::string msg = ValidateLlCombine(a, peers); !msg.empty()) return Invalid(kCombineOp, msg);
   if (ffi::Error err = ClearOverwrittenTables(
           *lease.dev,
-          LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes),
+          LlWindowBytes(peers.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts, a.reserved_bytes,
+                        AnyGinPeer(peers)),
           stream);
       err.failure()) {
     return err;
@@ -273,7 +278,7 @@ ffi::Error LlCombineExecute(cudaStream_t stream, int32_t device_ordinal, CommSta
                             ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                             ffi::Result<ffi::AnyBuffer> out) {
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease, kGinPath); err.failure())
     return err;
   RefusalNotice notice(lease, stream, 0, Op::kLowLatencyCombine);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
@@ -303,7 +308,7 @@ ffi::Error LlCombineSendExecute(cudaStream_t stream, int32_t device_ordinal, Com
                                 ffi::Buffer<ffi::S32> topk_idx,
                                 ffi::Result<ffi::Buffer<ffi::S32>> token) {
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease, kGinPath); err.failure())
     return err;
   RefusalNotice notice(lease, stream, 0, Op::kLowLatencyCombine);
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
@@ -333,7 +338,7 @@ ffi::Error LlCombineRecvExecute(cudaStream_t stream, int32_t device_ordinal, Com
                                 ffi::Buffer<ffi::F32> topk_weights,
                                 ffi::Result<ffi::AnyBuffer> out) {
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease); err.failure())
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, kCombineOp, lease, kGinPath); err.failure())
     return err;
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kCombineOp, stream); err.failure()) return err;
   if (ffi::Error err = CheckConfig(kCombineOp, lease.dev->peers(), num_experts, reserved_bytes);

@@ -129,7 +129,8 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
 // kernel of the op is enqueued it takes part in the barriers itself.
 // A low-latency sending call (`low_latency` = its op) has no barrier to
 // stand in for: it stands in for the call itself (abort.h LaunchLlRefusal),
-// through LSA stores only, so not where a peer is on GIN.
+// with a refused record for LSA peers and a refusal word and the call's
+// signal for GIN peers.
 class RefusalNotice {
  public:
   RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers, Op low_latency = Op::kNone)
@@ -139,8 +140,7 @@ class RefusalNotice {
   ~RefusalNotice() {
     const DeviceResources* d = lease_.dev;
     if (armed_ && d != nullptr && d->counters != nullptr && lease_.comm->devices.size() == 1 &&
-        d->nranks > 1 && (low_latency_ == Op::kNone || d->gin_mask == 0) &&
-        d->side.pending == nullptr) {
+        d->nranks > 1 && d->side.pending == nullptr) {
       // best effort
       if (low_latency_ == Op::kNone) LaunchRefusedBarriers(d->peers(), barriers_, stream_);
       else LaunchLlRefusal(d->peers(), low_latency_ == Op::kLowLatencyCombine, d->counters, stream_);

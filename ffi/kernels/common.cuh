@@ -33,7 +33,15 @@ constexpr size_t kOpConfigOffset = 1024;
 static_assert(kBarrierFlagsOffset + 8 * kMaxRanks <= kOpConfigOffset &&
                   kOpConfigOffset + kOpConfigBytes <= kGinEmuSignalsOffset,
               "the header's parts do not overlap");
-// [1536, 2048) of the header: the Engram GIN exchange's control words
+// The low-latency ops' refusals from GIN peers (low_latency_peers.cuh):
+// u64 [2 (dispatch, combine)][kMaxRanks], a source rank's word tagged with
+// the sequence number of the call it refused. An LSA peer reads the
+// refuser's OpConfig record instead; a GIN peer cannot map it.
+constexpr size_t kLlRefusalsOffset = 1792;
+static_assert(kOpConfigOffset + kOpConfigBytes <= kLlRefusalsOffset &&
+                  kLlRefusalsOffset + 16 * kMaxRanks <= kGinEmuSignalsOffset,
+              "the low-latency refusal words overlap another part of the header");
+// [1280, 1792) of the header: the Engram GIN exchange's control words
 // (engram_layout.h kEngramGinWordsOffset).
 // The status allocation (mapped pinned host memory, EpPeers::status): the
 // u64 status word, then on a configuration mismatch the two records that

@@ -115,10 +115,10 @@ struct EngramGinArea {
 // knowing the fetch's shape: word 0 MakeTagged(sequence, count | flags),
 // word 1 the sender's n.
 constexpr size_t kEngramGinWordBytes = 16;
-constexpr size_t kEngramGinWordsOffset = 1536;
+constexpr size_t kEngramGinWordsOffset = 1280;
 static_assert(kOpConfigOffset + kOpConfigBytes <= kEngramGinWordsOffset &&
-                  kEngramGinWordsOffset + 4 * kMaxRanks * kEngramGinWordBytes <= kGinEmuSignalsOffset,
-              "the Engram GIN words sit between the config record and the emulated GIN signals");
+                  kEngramGinWordsOffset + 4 * kMaxRanks * kEngramGinWordBytes <= kLlRefusalsOffset,
+              "the Engram GIN words sit between the config record and the low-latency refusal words");
 enum class EngramGinWord : int { kReqIn = 0, kRespIn = 1, kReqOut = 2, kRespOut = 3 };
 __host__ __device__ constexpr size_t EngramGinWordOff(EngramGinWord kind, int rank) {
   return kEngramGinWordsOffset + kEngramGinWordBytes * (static_cast<size_t>(kind) * kMaxRanks + rank);

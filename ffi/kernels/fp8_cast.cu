@@ -71,6 +71,26 @@ __device__ __forceinline__ float AbsMaxNan(float a, float b) {
   return (b != b || a != a) ? __int_as_float(0x7fffffff) : m;
 }
 
+// 16 consecutive elements of T kept as loaded: 2 (bf16) or 4 (f32) 16-byte
+// words, widened to float when needed (fewer registers than 16 floats).
+template <typename T>
+struct Raw16 {
+  static constexpr int kWords = 16 * sizeof(T) / 16;
+  uint4 w[kWords];
+  __device__ __forceinline__ void Load(const T* p) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = q[i];
+  }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void ToFloat(float (&v)[16]) const {
+    Load16(reinterpret_cast<const T*>(w), v);
+  }
+};
+
 // Writes the transposed tile: word [c][r/4] of `tile` holds rows r..r+3 of
 // column c; row c of the output (128 bytes) at out + c * ld.
 __device__ __forceinline__ void StoreTransposed(const uint32_t (*tile)[kPadWords], uint8_t* out,
@@ -94,13 +114,16 @@ __device__ __forceinline__ void CastWeightBlock(const T* w, int64_t H, int64_t F
                                                 float* warp_max) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t base = g * H * F + (hb * kTile) * F + fb * kTile;
-  float v[4][16];
+  Raw16<T> raw[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) raw[r].Load(w + base + (4 * lane + r) * F + 16 * warp);
   float amax = 0.0f;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    Load16(w + base + (4 * lane + r) * F + 16 * warp, v[r]);
+    float v[16];
+    raw[r].ToFloat(v);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) amax = AbsMaxNan(amax, v[r][j]);
+    for (int j = 0; j < 16; ++j) amax = AbsMaxNan(amax, v[j]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = AbsMaxNan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -116,10 +139,12 @@ __device__ __forceinline__ void CastWeightBlock(const T* w, int64_t H, int64_t F
   uint32_t col[16] = {};
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
+    float v[16];
+    raw[r].ToFloat(v);
     uint32_t row[4] = {};
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const uint32_t b = QuantizeKeepNan(v[r][j], inv);
+      const uint32_t b = QuantizeKeepNan(v[j], inv);
       row[j / 4] |= b << (8 * (j % 4));
       col[j] |= b << (8 * r);
     }
@@ -135,9 +160,9 @@ __device__ __forceinline__ void CastWeightBlock(const T* w, int64_t H, int64_t F
 // The blocks of every group, a CTA per block or, with fewer CTAs (the op's
 // num_sms), each CTA taking every gridDim.x-th block.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) CastWeightBlocks(const T* w, int64_t groups,
-                                                             int64_t H, int64_t F, uint8_t* q_nk,
-                                                             uint8_t* q_kn, float* scales) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
+    CastWeightBlocks(const T* w, int64_t groups, int64_t H, int64_t F, uint8_t* q_nk,
+                     uint8_t* q_kn, float* scales) {
   __shared__ uint32_t tile[kTile][kPadWords];
   __shared__ float warp_max[kThreads / 32];
   const int64_t nf = F / kTile, nh = H / kTile;
@@ -148,29 +173,6 @@ __global__ void __launch_bounds__(kThreads) CastWeightBlocks(const T* w, int64_t
   }
 }
 
-// One (128-token chunk, 128 channels) tile of x [M, C]: the chunk's rows
-// are x[src, src + n) (rows past n are zeros), its scales one per channel
-// over those tokens, its e4m3 bytes written transposed into qT [C, P] at
-// columns [128 c, 128 c + 128).
-// 16 consecutive elements of T kept as loaded: 2 (bf16) or 4 (f32) 16-byte
-// words, widened to float when needed (fewer registers than 16 floats).
-template <typename T>
-struct Raw16 {
-  static constexpr int kWords = 16 * sizeof(T) / 16;
-  uint4 w[kWords];
-  __device__ __forceinline__ void Load(const T* p) {
-    const uint4* q = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = q[i];
-  }
-  __device__ __forceinline__ void Zero() {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = make_uint4(0, 0, 0, 0);
-  }
-  __device__ __forceinline__ void ToFloat(float (&v)[16]) const {
-    Load16(reinterpret_cast<const T*>(w), v);
-  }
-};
 
 // One (128-token chunk, 128 channels) tile of x [M, C]: the chunk's rows
 // are x[src, src + n) (rows past n are zeros), its scales one per channel

@@ -267,6 +267,12 @@ __device__ inline bool GinPutQuiet(const EpPeers& p, Op op, int peer, size_t dst
   return gin_detail::CheckedPut<false>(p, op, peer, dst_off, src_off, bytes, signal, false);
 }
 
+// GinPutQuiet by all 32 lanes of one warp with the same arguments.
+__device__ inline bool GinPutQuietWarp(const EpPeers& p, Op op, int peer, size_t dst_off,
+                                       size_t src_off, size_t bytes, uint32_t signal) {
+  return gin_detail::CheckedPut<true>(p, op, peer, dst_off, src_off, bytes, signal, false);
+}
+
 // GinPut by all 32 lanes of one warp with the same arguments.
 __device__ inline bool GinPutWarp(const EpPeers& p, Op op, int peer, size_t dst_off,
                                   size_t src_off, size_t bytes, uint32_t signal) {

@@ -14,6 +14,7 @@
 #include "fp8.cuh"
 #include "kernel_load.h"
 #include "low_latency.cuh"
+#include "low_latency_peers.cuh"
 #include "peer.cuh"
 
 namespace jax_ep {
@@ -34,47 +35,6 @@ __device__ __forceinline__ OpConfig LlConfig(Op op, int T, const LlLayout& L, bo
   return c;
 }
 
-// A count / flag word's value: `low` (16 bits) under the digest of `mine`.
-__device__ __forceinline__ uint32_t LlWordValue(const OpConfig& mine, uint32_t low) {
-  return (ConfigDigest(mine) << 16) | low;
-}
-
-constexpr int64_t kWaitTimedOut = -1, kWaitMismatch = -2, kWaitRefused = -3;
-
-// Waits until `word` carries tag `seq` and returns its low 16 bits.
-// kWaitMismatch when the word carries another digest than `mine`'s, or
-// while waiting, peer `peer`'s record for this call differs from `mine`
-// (its words went to its own layout's places); kWaitRefused (reported)
-// when that record says the peer refused this call (abort.h); kWaitTimedOut
-// after reporting a timeout.
-__device__ int64_t WaitTagged(const EpPeers& p, Op op, const uint64_t* word, uint64_t seq,
-                              int peer, const OpConfig& mine) {
-  const unsigned long long t0 = globaltimer_ns();
-  const uint32_t digest = ConfigDigest(mine);
-  unsigned polls = 0;
-  while (true) {
-    const uint64_t w = ld_acquire_sys(word);
-    if (TagMatches(w, seq)) {
-      return static_cast<uint32_t>(w) >> 16 == digest ? static_cast<int64_t>(w & 0xffffull) : kWaitMismatch;
-    }
-    if ((++polls & 255u) == 0u) {
-      bool torn = false;
-      const OpConfig theirs = peer == p.rank ? mine : ReadConfig(p, peer, &torn);
-      if (!torn && theirs.tag == mine.tag && theirs.op == mine.op) {
-        if (IsRefused(theirs)) {
-          report_error(p, op, Cause::kPeerRefused, static_cast<uint32_t>(peer));
-          return kWaitRefused;
-        }
-        if (!SameFields(theirs, mine)) return kWaitMismatch;
-      }
-      if (globaltimer_ns() - t0 > p.timeout_ns) {
-        report_error(p, op, Cause::kPeerTimeout, static_cast<uint32_t>(peer));
-        return kWaitTimedOut;
-      }
-    }
-  }
-}
-
 // One thread, after a receive found the sources in `mismatched` (a bit
 // each) with another configuration: names the first (with both records),
 // and makes every rank's next call reset the layout (kLlMismatchCounter).
@@ -90,10 +50,6 @@ __device__ void ReportLlMismatch(const EpPeers& p, Op op, uint32_t mismatched, c
     ctr[kLlMismatchCounter] = 1;  // read by this kernel's Finish
   }
   __threadfence();
-}
-
-__device__ __forceinline__ void StReleaseSys(uint64_t* ptr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
 // Every CTA calls this once its sends are issued: makes them visible, then
@@ -349,9 +305,8 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         if (id >= 0 && id < E && slot >= 0) {
           if (slot < M) {
             const int d = id / E_l, l = id - d * E_l;
-            const size_t cell = (static_cast<size_t>(l) * R + p.rank) * M + slot;
-            lane_row = PeerWindow(p, d) + L.DispRows(b) + cell * L.row_bytes;
-            if (part == 0) *reinterpret_cast<int32_t*>(PeerWindow(p, d) + L.DispMeta(b) + cell * 4) = q;
+            lane_row = LlDispRowFor(p, L, b, d, l, slot);
+            if (part == 0) *LlDispMetaFor(p, L, b, d, l, slot) = q;
             ok = true;
           } else {
             overflow = part == 0;
@@ -399,15 +354,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
     // 3. Counts, after every CTA's rows: (seq << 32 | rows) per (expert, this
     // rank) into the expert owner's window.
     AllSent(p, Op::kLowLatencyDispatch, ctr + kLlDispatchSentCounter);
-    if (blockIdx.x == 0) {
-      for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int d = e / E_l, l = e - d * E_l;
-        const uint32_t rows = static_cast<uint32_t>(min(s_count[e], M));
-        uint64_t* word = reinterpret_cast<uint64_t*>(PeerWindow(p, d) + L.DispCounts(b)) +
-                         static_cast<size_t>(l) * R + p.rank;
-        StReleaseSys(word, MakeTagged(seq, LlWordValue(mine, rows)));
-      }
-    }
+    if (blockIdx.x == 0) LlPostDispatchCounts(p, L, b, seq, mine, s_count);
   }
   if constexpr (kPart == LlPart::kSend) {
     Finish(ctr, kLlDispatchSeqCounter, kLlDispatchSentCounter, kLlDispatchDoneCounter, seq, L);
@@ -530,7 +477,7 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         continue;
       }
       const int s = entry / TK, q = entry - s * TK;
-      char* const slot = PeerWindow(p, s) + L.CombRows(b) + static_cast<size_t>(q) * L.y_row_bytes;
+      char* const slot = LlCombRowFor(p, L, b, s, q);
       if (kPart == LlPart::kFused && s == p.rank) {
         // This rank's own token: its reduce below reads the row straight
         // from y (this kernel's input), so only the row's place goes into
@@ -550,15 +497,16 @@ __global__ void __launch_bounds__(kLlThreads, 1)
         }
         StoreChunk(dst, base, nvec, lane, v);
       }
+      LlCombRowWritten(p, L, b, s, q);
     }
     if (__any_sync(kFullMask, bad) && lane == 0) report_error(p, Op::kLowLatencyCombine, Cause::kBadIndex);
 
     // 2. One flag per source rank, after every CTA's rows.
     AllSent(p, Op::kLowLatencyCombine, ctr + kLlCombineSentCounter);
     if (blockIdx.x == 0 && threadIdx.x < R) {
-      uint64_t* word = reinterpret_cast<uint64_t*>(PeerWindow(p, threadIdx.x) + L.CombFlags(b)) + p.rank;
-      StReleaseSys(word, MakeTagged(seq, LlWordValue(mine, 1u)));
+      LlPostCombineFlag(p, L, b, threadIdx.x, MakeTagged(seq, LlWordValue(mine, 1u)));
     }
+    FlushPeersWarp(p, 1u << kGinLlCombineChannel);  // the row staging is rewritten by the next call
   }
   if constexpr (kPart == LlPart::kSend) {
     Finish(ctr, kLlCombineSeqCounter, kLlCombineSentCounter, kLlCombineDoneCounter, seq, L);
@@ -669,8 +617,9 @@ __global__ void LlRefusalKernel(const __grid_constant__ EpPeers p, bool combine,
   const unsigned long long seq = ctr[seq_slot] + 1;
   ctr[seq_slot] = seq;
   ctr[recv_slot] = seq;
-  const OpConfig c = RefusedConfig(combine ? Op::kLowLatencyCombine : Op::kLowLatencyDispatch);
-  PublishConfig(p, c, static_cast<uint32_t>(seq));
+  const Op op = combine ? Op::kLowLatencyCombine : Op::kLowLatencyDispatch;
+  PublishConfig(p, RefusedConfig(op), static_cast<uint32_t>(seq));
+  LlTellGinPeersRefused(p, op, seq);
 }
 
 // A sending dispatch kernel's dynamic shared memory: per-expert counts,
@@ -694,13 +643,12 @@ int Blocks(int requested, int device_sms, int work) {
 
 }  // namespace
 
-size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes) {
+size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes, bool gin) {
   const size_t low = std::max(reserved_bytes, kWindowHeaderBytes);
-  return LlLayout(R, M, H, K, E / std::max(R, 1), low).End();
+  return LlLayout(R, M, H, K, E / std::max(R, 1), low, gin).End();
 }
 
 std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
-  if (AnyGinPeer(p)) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
   if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
   if (a.max_tokens < 1 || a.max_tokens > kLlMaxTokens || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
@@ -711,23 +659,23 @@ std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p) {
   if (LlSendSmemBytes(a) > 200 * 1024)
     return "17 * num_experts + tokens * topk too large for one CTA's shared memory";
   const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
-                                    a.reserved_bytes);
+                                    a.reserved_bytes, AnyGinPeer(p));
   if (need > p.window_bytes)
     return "the symmetric window is too small for the low-latency ops: it needs " +
            std::to_string(need) + " bytes, has " + std::to_string(p.window_bytes) +
-           " (Communicator.create(num_bytes=get_buffer_size_hint(..., low_latency=True)))";
+           " (Communicator.create(num_bytes=get_buffer_size_hint(..., low_latency=True" +
+           std::string(AnyGinPeer(p) ? ", gin=True" : "") + ")))";
   return "";
 }
 
 std::string ValidateLlCombine(const LlCombineArgs& a, const EpPeers& p) {
-  if (AnyGinPeer(p)) return "the low-latency kernels need every peer on NVLink (no GIN yet)";
   if (a.topk < 1 || a.topk > 32) return "topk must be in [1, 32]";
   if (a.num_experts < p.nranks || a.num_experts % p.nranks) return "num_experts must be a multiple of the ranks";
   if (a.max_tokens < 1 || a.max_tokens > kLlMaxTokens || a.num_tokens < 0 || a.num_tokens > a.max_tokens)
     return "need 0 <= tokens <= max_tokens <= " + std::to_string(kLlMaxTokens);
   if (a.hidden < 8 || a.hidden % 8) return "hidden must be a positive multiple of 8";
   const size_t need = LlWindowBytes(p.nranks, a.max_tokens, a.hidden, a.topk, a.num_experts,
-                                    a.reserved_bytes);
+                                    a.reserved_bytes, AnyGinPeer(p));
   if (need > p.window_bytes)
     return "the symmetric window is too small for the low-latency ops: it needs " +
            std::to_string(need) + " bytes, has " + std::to_string(p.window_bytes);
@@ -751,7 +699,7 @@ cudaError_t LaunchLlDispatch(const LlDispatchArgs& a, const EpPeers& p, int devi
                              cudaStream_t stream, LlPart part) {
   const int R = p.nranks;
   const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
-                   std::max(a.reserved_bytes, kWindowHeaderBytes));
+                   std::max(a.reserved_bytes, kWindowHeaderBytes), AnyGinPeer(p));
   const size_t smem = part == LlPart::kRecv ? 0 : LlSendSmemBytes(a);
   auto kernel = part == LlPart::kFused  ? LlDispatchKernel<LlPart::kFused>
                 : part == LlPart::kSend ? LlDispatchKernel<LlPart::kSend>
@@ -770,7 +718,7 @@ cudaError_t LaunchLlCombine(const LlCombineArgs& a, const EpPeers& p, int device
                             cudaStream_t stream, LlPart part) {
   const int R = p.nranks;
   const LlLayout L(R, a.max_tokens, a.hidden, a.topk, a.num_experts / R,
-                   std::max(a.reserved_bytes, kWindowHeaderBytes));
+                   std::max(a.reserved_bytes, kWindowHeaderBytes), AnyGinPeer(p));
   const int work = std::max(a.num_experts / R, RowWarps(a.num_tokens, a.hidden));
   auto kernel = part == LlPart::kFused  ? LlCombineKernel<LlPart::kFused>
                 : part == LlPart::kSend ? LlCombineKernel<LlPart::kSend>

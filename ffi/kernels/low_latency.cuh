@@ -58,17 +58,27 @@ constexpr size_t kLlAlign = 256;
 //                                        alternate buffers without overlapping.
 //   combine flags    u64 [R]             seq, written by expert owner r
 //   combine rows     [M][K][H * 2]       the expert output for (t, k), bf16
+// Then, only on a communicator with GIN peers (`gin`), one staging area
+// (low_latency_peers.cuh; its puts are flushed before the kernel ends):
+//   dispatch counts  u64 [R][E_l]        my count word for (destination d, expert l)
+//   dispatch meta    i32 [R][E_l][M]
+//   dispatch rows    [R][E_l][M][H * 2]  so one put carries a (d, l) run of rows
+//   combine flags    u64 [R]             my flag word for source rank s
+//   combine rows     [R][M][K][H * 2]    my expert outputs for source s's (t, k)
+// Its offsets come after every area above, so `gin` moves nothing else.
 struct LlLayout {
   int R = 0, M = 0, H = 0, K = 0, E_l = 0;
+  bool gin = false;
   size_t base_off = 0;
   size_t row_bytes = 0, y_row_bytes = 0;
   size_t disp_counts_bytes = 0, disp_meta_bytes = 0, disp_rows_bytes = 0, disp_buf = 0;
   size_t comb_flags_bytes = 0, comb_rows_bytes = 0, comb_buf = 0;
+  size_t stage_comb_rows_bytes = 0;
 
   static __host__ __device__ size_t Up(size_t n) { return (n + kLlAlign - 1) / kLlAlign * kLlAlign; }
 
-  __host__ __device__ LlLayout(int r, int m, int h, int k, int e_l, size_t base)
-      : R(r), M(m), H(h), K(k), E_l(e_l), base_off(Up(base)) {
+  __host__ __device__ LlLayout(int r, int m, int h, int k, int e_l, size_t base, bool g = false)
+      : R(r), M(m), H(h), K(k), E_l(e_l), gin(g), base_off(Up(base)) {
     row_bytes = static_cast<size_t>(H) * 2;
     y_row_bytes = static_cast<size_t>(H) * 2;
     const size_t slots = static_cast<size_t>(E_l) * R;
@@ -79,6 +89,7 @@ struct LlLayout {
     comb_flags_bytes = Up(static_cast<size_t>(R) * 8);
     comb_rows_bytes = Up(static_cast<size_t>(M) * K * y_row_bytes);
     comb_buf = comb_flags_bytes + comb_rows_bytes;
+    stage_comb_rows_bytes = Up(static_cast<size_t>(R) * M * K * y_row_bytes);
   }
 
   __host__ __device__ size_t DispCounts(int b) const { return base_off + b * disp_buf; }
@@ -86,8 +97,18 @@ struct LlLayout {
   __host__ __device__ size_t DispRows(int b) const { return DispMeta(b) + disp_meta_bytes; }
   __host__ __device__ size_t CombFlags(int b) const { return base_off + 2 * disp_buf + b * comb_buf; }
   __host__ __device__ size_t CombRows(int b) const { return CombFlags(b) + comb_flags_bytes; }
+  // The staging area (gin only): a dispatch buffer's size, then combine
+  // flags and rows for every source.
+  __host__ __device__ size_t StageBase() const { return base_off + 2 * disp_buf + 2 * comb_buf; }
+  __host__ __device__ size_t StageDispCounts() const { return StageBase(); }
+  __host__ __device__ size_t StageDispMeta() const { return StageDispCounts() + disp_counts_bytes; }
+  __host__ __device__ size_t StageDispRows() const { return StageDispMeta() + disp_meta_bytes; }
+  __host__ __device__ size_t StageCombFlags() const { return StageBase() + disp_buf; }
+  __host__ __device__ size_t StageCombRows() const { return StageCombFlags() + comb_flags_bytes; }
   // Window bytes from the base that the layout needs (the size hint).
-  __host__ __device__ size_t End() const { return base_off + 2 * disp_buf + 2 * comb_buf; }
+  __host__ __device__ size_t End() const {
+    return StageBase() + (gin ? disp_buf + comb_flags_bytes + stage_comb_rows_bytes : 0);
+  }
 };
 
 struct LlDispatchArgs {
@@ -149,8 +170,9 @@ struct LlCombineArgs {
 };
 
 // Window bytes (from the base) the low-latency ops need for a config: the
-// communicator's size hint must be at least this (jax_ep.comm mirrors it).
-size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes);
+// communicator's size hint must be at least this (jax_ep._window mirrors
+// it). `gin`: some peer is reached by GIN (the staging area).
+size_t LlWindowBytes(int R, int M, int H, int K, int E, size_t reserved_bytes, bool gin = false);
 
 // "" when the launch can proceed, else a message naming the argument.
 std::string ValidateLlDispatch(const LlDispatchArgs& a, const EpPeers& p);

@@ -80,17 +80,20 @@ def _combine_end(r: int, t: int, h: int, k: int, y_bytes: int) -> int:
 # ---------------------------------------------------------------- low latency
 
 def low_latency_bytes(*, num_ranks: int, max_tokens: int, hidden: int, topk: int,
-                      num_experts: int, reserved_bytes: int = 0) -> int:
+                      num_experts: int, reserved_bytes: int = 0, gin: bool = False) -> int:
   """Bytes from the base that the low-latency kernels lay out (low_latency.cuh
   LlLayout::End): above `reserved_bytes`, two buffers each of dispatch counts,
   source entries and [E_l, R, M] rows of H bf16 (FP8 rows fit in the same
-  stride), then two of combine flags and [M, K] rows."""
+  stride), then two of combine flags and [M, K] rows. With `gin` (a peer
+  reached by GIN) one staging area follows: a dispatch buffer's size, and
+  combine flags and [R, M, K] rows."""
   r, m, h, k = int(num_ranks), int(max_tokens), int(hidden), int(topk)
   slots = (int(num_experts) // max(r, 1)) * r
   up = lambda n: round_up(n, _ALIGN)
   disp = up(slots * 8) + up(slots * m * 4) + up(slots * m * h * 2)
   comb = up(r * 8) + up(m * k * h * 2)
-  return _above(reserved_bytes) + 2 * disp + 2 * comb
+  stage = disp + up(r * 8) + up(r * m * k * h * 2) if gin else 0
+  return _above(reserved_bytes) + 2 * disp + 2 * comb + stage
 
 
 # ---------------------------------------------------------------- Engram
@@ -138,8 +141,8 @@ def engram_bytes(*, rows_per_rank: int, dim: int, dtype, reserved_bytes: int = 0
 
 def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
                          num_experts: int, dtype_bytes: int = 2,
-                         low_latency: bool = False, engram_tables=(),
-                         engram_fetch_rows: int = 0) -> int:
+                         low_latency: bool = False, gin: bool = False,
+                         engram_tables=(), engram_fetch_rows: int = 0) -> int:
   """Window bytes per rank that the ops need for a config.
 
   Normal mode: exactly what the dispatch/combine kernels lay out
@@ -148,15 +151,18 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
   [E_l, R, max_tokens] rows and the combine's [max_tokens, K] rows); a
   program that also runs the normal ops passes their need as the
   low-latency ops' `reserved_bytes` and adds the two. Rounded up to NCCL's
-  2 MiB granule; includes the 4 KiB runtime header.
+  2 MiB granule; includes the 4 KiB runtime header. gin: some peer is
+  reached by GIN (Communicator.create(transport="gin" / "gin_emulated"), or
+  an EP group beyond one NVLink domain): the low-latency kernels then stage
+  what they put to it (`low_latency_bytes(gin=True)`).
 
   engram_tables: the (rows_per_rank, dim, dtype) of every Engram table that
   will be published side by side (engram_publish(..., above=...)) in the
   same window: they sit at its end, each rounded up to 256 bytes plus 256
   bytes of slack, as engram_publish stacks them.
-  engram_fetch_rows: on a communicator with GIN peers, the most rows (T * e)
-  one Engram fetch of those tables asks for: its request/answer scratch
-  (`engram_gin_bytes`, at the widest table's rows) goes below the tables.
+  engram_fetch_rows: with `gin`, the most rows (T * e) one Engram fetch of
+  those tables asks for: its request/answer scratch (`engram_gin_bytes`, at
+  the widest table's rows) goes below the tables.
   """
   for name, v in (("num_ranks", num_ranks), ("tokens_per_rank", tokens_per_rank),
                   ("hidden", hidden), ("topk", topk), ("num_experts", num_experts),
@@ -165,13 +171,13 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
       raise ValueError(f"{name} must be positive, got {v}")
   r, t, h, k, e = num_ranks, tokens_per_rank, hidden, topk, num_experts
   if low_latency:
-    need = low_latency_bytes(num_ranks=r, max_tokens=t, hidden=h, topk=k, num_experts=e)
+    need = low_latency_bytes(num_ranks=r, max_tokens=t, hidden=h, topk=k, num_experts=e, gin=gin)
   else:
     need = normal_bytes(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
                         x_bytes=dtype_bytes, y_bytes=max(dtype_bytes, 2))  # combine: bf16 or wider
   if engram_tables:
     gin = 0
-    if engram_fetch_rows > 0 and r > 1:
+    if gin and engram_fetch_rows > 0 and r > 1:
       gin = max(engram_gin_bytes(num_ranks=r, rows=engram_fetch_rows, dim=d, dtype=dt)
                 for _, d, dt in engram_tables)
     need = round_up(need, GRANULE) + round_up(gin, _ALIGN) + sum(

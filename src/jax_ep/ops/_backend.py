@@ -58,8 +58,7 @@ class Choice:
 
 def choose(backend: Optional[str], *, op: str, axis_name: Optional[str] = None,
            refusal: Optional[str] = None, window_need: Optional[int] = None,
-           window_what: str = "", auto_refusal: Optional[Callable[[object], bool]] = None
-           ) -> Choice:
+           window_what: str = "") -> Choice:
   """The backend of one call of `op`.
 
   Args:
@@ -70,9 +69,6 @@ def choose(backend: Optional[str], *, op: str, axis_name: Optional[str] = None,
     window_need: window bytes per GPU the call needs (checked against the
       Communicator's), or None.
     window_what: what those bytes hold, for the message.
-    auto_refusal: comm -> True where auto should not pick the kernels for a
-      reason the kernels would report themselves at run time (forced
-      "cuda" goes ahead).
   """
   check_backend(backend)
   if backend == "reference":
@@ -96,8 +92,7 @@ def choose(backend: Optional[str], *, op: str, axis_name: Optional[str] = None,
           f"{comm.num_bytes}; create it with num_bytes >= {window_need} "
           "(jax_ep.get_buffer_size_hint)")
     return Choice("cuda", axis_name, -1 if comm is None else comm.comm_id)
-  if (not available or refusal is not None or too_small
-      or (auto_refusal is not None and comm is not None and auto_refusal(comm))):
+  if not available or refusal is not None or too_small:
     return Choice("reference", axis_name)
   return Choice("auto", axis_name, -1 if comm is None else comm.comm_id)
 

@@ -10,9 +10,10 @@ half keeps its start's choice):
     multiple of 8 (128 with FP8), 1 <= K <= 32 and max_tokens <= 65535;
     anything else is a ValueError at trace time.
   None / "auto": the kernels on the CUDA platform where they can run (a
-    Communicator for the axis whose peers are all NVLink (LSA) peers, an
+    Communicator for the axis, its peers reached by NVLink (LSA) or GIN, an
     input they take, a window that holds their area above
-    `reserved_bytes`), the pure-JAX reference otherwise.
+    `reserved_bytes`, with the staging of GIN peers), the pure-JAX
+    reference otherwise.
   "reference": the reference.
 Rows of recv_x at or past recv_count are unspecified on the kernels (they
 never write them) and zero in the reference: compare or consume the valid
@@ -74,10 +75,10 @@ def _kernel_refusal(dtype, hidden: int, fp8: bool, topk: int, max_tokens: int) -
 
 
 def _has_gin_peer(comm) -> bool:
-  """Whether a local rank of `comm` reaches a peer by GIN, which the kernels
-  have no path for (the handler refuses the call). Every member of an EP
-  group that spans NVLink domains has such a peer, so the ranks of a group
-  decide alike."""
+  """Whether a local rank of `comm` reaches a peer by GIN: the kernels then
+  need their staging area in the window. Every member of an EP group that
+  spans NVLink domains has such a peer, so the ranks of a group decide
+  alike."""
   info = getattr(comm, "info", None)
   return bool(info is not None and any(d.get("gin_mask", 0) for d in info()))
 
@@ -85,15 +86,17 @@ def _has_gin_peer(comm) -> bool:
 def _kernel_conditions(axis_name: str, *, dtype, hidden: int, fp8: bool, topk: int,
                        num_experts: int, max_tokens: int, reserved_bytes: int) -> dict:
   """What the kernels need of this call, for `_backend.choose`: an input
-  they take, a window that holds their area above `reserved_bytes`, and
-  (under auto) no peer reached by GIN."""
+  they take and a window that holds their area above `reserved_bytes`
+  (with the staging area where a peer is reached by GIN)."""
+  comm = _backend.cuda_comm(axis_name)
+  gin = comm is not None and _has_gin_peer(comm)
   need = _window.low_latency_bytes(num_ranks=ref.axis_size(axis_name), max_tokens=max_tokens,
                                    hidden=hidden, topk=topk, num_experts=num_experts,
-                                   reserved_bytes=reserved_bytes)
+                                   reserved_bytes=reserved_bytes, gin=gin)
+  hint = "low_latency=True, gin=True" if gin else "low_latency=True"
   return dict(refusal=_kernel_refusal(dtype, hidden, fp8, topk, max_tokens), window_need=need,
               window_what=f"the low-latency area above reserved_bytes={reserved_bytes}; "
-                          "jax_ep.get_buffer_size_hint(..., low_latency=True)",
-              auto_refusal=_has_gin_peer)
+                          f"jax_ep.get_buffer_size_hint(..., {hint})")
 
 
 def _check_options(reserved_bytes, num_sms) -> int:

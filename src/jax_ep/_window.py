@@ -176,10 +176,10 @@ def get_buffer_size_hint(*, num_ranks: int, tokens_per_rank: int, hidden: int, t
     need = normal_bytes(num_ranks=r, tokens_per_rank=t, hidden=h, topk=k, num_experts=e,
                         x_bytes=dtype_bytes, y_bytes=max(dtype_bytes, 2))  # combine: bf16 or wider
   if engram_tables:
-    gin = 0
+    scratch = 0
     if gin and engram_fetch_rows > 0 and r > 1:
-      gin = max(engram_gin_bytes(num_ranks=r, rows=engram_fetch_rows, dim=d, dtype=dt)
-                for _, d, dt in engram_tables)
-    need = round_up(need, GRANULE) + round_up(gin, _ALIGN) + sum(
+      scratch = max(engram_gin_bytes(num_ranks=r, rows=engram_fetch_rows, dim=d, dtype=dt)
+                    for _, d, dt in engram_tables)
+    need = round_up(need, GRANULE) + round_up(scratch, _ALIGN) + sum(
         engram_slot_bytes(rows_per_rank=v, dim=d, dtype=dt) for v, d, dt in engram_tables)
   return round_up(need, GRANULE)

@@ -19,7 +19,6 @@
 #include "config_check.cuh"
 #include "engram.cuh"
 #include "ep_copy.cuh"
-#include "gin.cuh"
 #include "kernel_load.h"
 #include "peer.cuh"
 
@@ -77,9 +76,9 @@ __device__ inline void SendWithWord(const EpPeers& p, Op op, int j, size_t dst, 
   StU64Volatile(word, w0);
   StU64Volatile(word + 1, w1);
   __threadfence();
-  const uint32_t sig = GinSignalId(p.rank, channel);
-  if (bytes > 0) GinPutQuiet(p, op, j, dst, src, bytes, sig);
-  GinPut(p, op, j, EngramGinWordOff(in, p.rank), EngramGinWordOff(out, j), kEngramGinWordBytes, sig);
+  if (bytes > 0) PutBytes(p, op, j, dst, src, bytes, channel, false);
+  PutBytes(p, op, j, EngramGinWordOff(in, p.rank), EngramGinWordOff(out, j), kEngramGinWordBytes, channel,
+           true);
 }
 
 __device__ inline void ReportShapeMismatch(const EpPeers& p, const EngramFetchArgs& a, int j,
@@ -138,7 +137,7 @@ __global__ void __launch_bounds__(kRequestThreads)
                  kGinEngramRequestChannel);
   }
   // The staged ids and words are rewritten by the next fetch.
-  GinFlush(p, 1u << kGinEngramRequestChannel);
+  FlushPeers(p, 1u << kGinEngramRequestChannel);
 }
 
 // Peer j's request: its count once it arrived and agrees, else 0 with
@@ -176,8 +175,7 @@ __global__ void __launch_bounds__(kExchangeThreads)
   for (int j = blockIdx.x; j < p.nranks; j += gridDim.x) {
     if (j == p.rank || !ReachedByGin(p, j)) continue;
     if (threadIdx.x < 32) {
-      const bool arrived =
-          GinWaitSignalWarp(p, kOp, GinSignalId(j, kGinEngramRequestChannel), seq, j, t0);
+      const bool arrived = WaitPeerSignalWarp(p, kOp, j, kGinEngramRequestChannel, seq, t0);
       if (threadIdx.x == 0) s_req = ReadRequest(p, a, j, seq, arrived);
     }
     __syncthreads();
@@ -208,7 +206,7 @@ __global__ void __launch_bounds__(kExchangeThreads)
       SendWithWord(p, kOp, j, area.resp_in(p.rank), area.resp_out(j), static_cast<size_t>(count) * a.row_bytes,
                    EngramGinWord::kRespOut, EngramGinWord::kRespIn, MakeTagged(seq, count | flags),
                    Shape(a), kGinEngramResponseChannel);
-      GinFlush(p, 1u << kGinEngramResponseChannel);
+      FlushPeers(p, 1u << kGinEngramResponseChannel);
     }
     __syncthreads();  // s_req and the stage are reused for the next peer
   }
@@ -216,7 +214,7 @@ __global__ void __launch_bounds__(kExchangeThreads)
   for (int j = blockIdx.x; j < p.nranks; j += gridDim.x) {
     if (j == p.rank || !ReachedByGin(p, j)) continue;
     // The gather checks the answer's word (a failed wait leaves it stale).
-    GinWaitSignalWarp(p, kOp, GinSignalId(j, kGinEngramResponseChannel), seq, j, t0);
+    WaitPeerSignalWarp(p, kOp, j, kGinEngramResponseChannel, seq, t0);
   }
 }
 
@@ -315,7 +313,7 @@ __global__ void EngramGinRefusalKernel(const __grid_constant__ EpPeers p, unsign
     SendWithWord(p, Op::kNone, j, 0, 0, 0, EngramGinWord::kRespOut, EngramGinWord::kRespIn,
                  MakeTagged(seq, kRefusedFlag), 0, kGinEngramResponseChannel);
   }
-  GinFlush(p, (1u << kGinEngramRequestChannel) | (1u << kGinEngramResponseChannel));
+  FlushPeers(p, (1u << kGinEngramRequestChannel) | (1u << kGinEngramResponseChannel));
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 //   bytes written with a signal    PutBytes / PutBytesWarp / SignalPeer (here);
 //                                  PeerTransport::RowsWritten / EndRowPut,
 //                                  GinPut / GinPutWarp (gin.cuh)
-//   wait for a signal              PeerSignalReached (here);
+//   wait for a signal              PeerSignalReached / WaitPeerSignalWarp (here);
 //                                  PeerTransport::WaitRow / WaitTokenChunk,
 //                                  GinWaitSignalWarp (gin.cuh)
 //   a control word                 PutControlWord, MakeTagged / TagMatches,
@@ -19,10 +19,12 @@
 //   flush                          FlushPeers / FlushPeersWarp (here);
 //                                  PeerTransport::Flush, GinFlushWarp (gin.cuh)
 //
-// The low-latency kernels use these verbs through low_latency_peers.cuh.
-// Ops whose kernels have no GIN path yet refuse a communicator with a GIN
-// peer in their Validate* (AnyGinPeer), so they fail with a message instead
-// of faulting on a null window.
+// Every op that reaches a peer has a GIN path: dispatch / combine through
+// transport.cuh, the low-latency kernels through low_latency_peers.cuh,
+// Engram's fetch in engram_gin.cu. A handler whose op has none passes no
+// gin_data_path to AcquireDevice (handlers/state.h), which refuses a
+// communicator with a GIN peer, so the op fails with a message instead of
+// faulting on a null window.
 #pragma once
 
 #include <cstdint>
@@ -110,6 +112,20 @@ __device__ inline bool PeerSignalReached(const EpPeers& p, Op op, int j, int cha
   if (!ReachedByGin(p, j)) return true;
   const uint64_t v = GinReadSignal(p, op, GinSignalId(j, channel));
   return static_cast<int32_t>(static_cast<uint32_t>(v) - static_cast<uint32_t>(expected)) >= 0;
+}
+
+// Waits until rank j's signal on `channel` here has reached `expected`
+// (64-bit, wrap-safe), so that the puts counted into it are visible to the
+// warp. Signals are never reset: the caller knows the running total it
+// expects. LSA peers send no signals: true at once. Lane 0 polls with a
+// back-off without looking at the status word (a receiver drains what its
+// peers send even after failing on its own); the clock starts at t0. False
+// after reporting kPeerTimeout for j, never spins forever. All 32 lanes;
+// the same result on every lane.
+__device__ inline bool WaitPeerSignalWarp(const EpPeers& p, Op op, int j, int channel, uint64_t expected,
+                                          unsigned long long t0) {
+  if (!ReachedByGin(p, j)) return true;
+  return GinWaitSignalWarp(p, op, GinSignalId(j, channel), expected, j, t0);
 }
 
 // After FlushPeers* of `channels` (bit c: channel c), the stage bytes of the

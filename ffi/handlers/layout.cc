@@ -21,7 +21,9 @@ ffi::Error DispatchLayoutExecute(cudaStream_t stream, int32_t device_ordinal, Co
                                  ffi::Result<ffi::Buffer<ffi::S32>> pos_in_rank) {
   (void)num_sms;  // one CTA (LaunchDispatchLayout): within any n >= 1
   DeviceLease lease;
-  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, "get_dispatch_layout", lease);
+  // The layout kernel reaches no peer, so GIN peers are no reason to refuse.
+  if (ffi::Error err = AcquireDevice(state, comm_id, device_ordinal, "get_dispatch_layout", lease,
+                                     /*gin_data_path=*/true);
       err.failure()) {
     return err;
   }

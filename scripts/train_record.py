@@ -2,6 +2,7 @@
 record under benchmarks/results/train/ (docs/design.md §6).
 
   python scripts/train_record.py <train.json> [--plot <png>] [--commit <sha>] [--machine TEXT]
+                                 [--note TEXT]
 
 The JSON may come from this machine or from a GPU machine (the run's $OUT):
 the record carries the run's own command and date (from the JSON), the
@@ -121,12 +122,17 @@ def main(argv=None) -> int:
   ap.add_argument("--commit", default=None,
                   help="the commit the run was made at (default: this checkout's HEAD)")
   ap.add_argument("--machine", default=None, help="default: from the JSON's devices")
+  ap.add_argument("--note", action="append", default=[],
+                  help="a note on the run, shown with it on the results page (repeatable)")
   ap.add_argument("--out", default=records.RESULTS_DIR,
                   help="results directory (the record goes to <out>/train/)")
   args = ap.parse_args(argv)
   with open(args.json) as f:
     result = json.load(f)
   recs = make_records(result, commit=args.commit or records.commit(), machine=args.machine)
+  for r in recs:
+    if args.note:
+      r["record_notes"] = list(args.note)
   path = records.write(recs, args.out, "train")
   show = lambda p: os.path.relpath(p, REPO) if p.startswith(REPO + os.sep) else p  # noqa: E731
   print(f"wrote {show(path)}")

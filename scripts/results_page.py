@@ -177,6 +177,38 @@ def _summary(recs: list[dict]) -> list[str]:
   return out + ([""] if out else [])
 
 
+def _train_summary(rel: str, recs: list[dict]) -> list[str]:
+  """A training-quality run: the FP8 run's final held-out eval loss against
+  the bf16 run's from the same start (the comparison that counts: the train
+  loss is one batch's), with its paired standard error over the eval
+  batches and whether it is within the record's tolerance with no
+  non-finite loss; older records without an eval give the train losses'
+  gaps. Then the loss plot, where the run kept one."""
+  out = []
+  by = {r.get("dtype"): r for r in recs if r.get("bench") == "train_quality"}
+  b, f = by.get("bf16"), by.get("fp8")
+  if b is not None and f is not None:
+    if f.get("eval_relative_gap") is not None:
+      verdict = ("within" if f.get("within_tolerance") else "**not** within")
+      out.append(f"- Final held-out eval loss ({f.get('eval_batches')} batches, after step "
+                 f"{(f.get('eval_steps') or ['?'])[-1]}): bf16 {b['final_eval_loss']:.4f}, FP8 "
+                 f"{f['final_eval_loss']:.4f}: relative gap **{f['eval_relative_gap']:+.2%}** "
+                 f"(paired standard error {f['eval_paired_se']:.2%}), {verdict} "
+                 f"{f.get('tolerance', 0):.0%} with "
+                 + ("no" if not (b.get("nonfinite_losses") or f.get("nonfinite_losses"))
+                    else "some") + " non-finite loss")
+    else:
+      pct = lambda x: "–" if x is None else f"{x:+.2%}"  # noqa: E731
+      out.append("- No held-out eval in this run: final train loss (one batch) bf16 "
+                 f"{_fmt(b.get('final_loss'))}, FP8 {_fmt(f.get('final_loss'))}, relative "
+                 f"difference {pct(f.get('relative_difference'))}; mean of the last "
+                 f"{f.get('tail_steps')} steps {pct(f.get('tail_relative_difference'))}")
+  png = os.path.join(RESULTS, rel[:-len(".json")] + ".png")
+  if os.path.exists(png):
+    out += ["", f"![loss curves of the run](../benchmarks/results/{rel[:-len('.json')]}.png)"]
+  return out + ([""] if out else [])
+
+
 def _latest(runs, pred: Callable[[dict], bool]) -> Optional[tuple[str, list[dict]]]:
   hits = [(rel, recs) for rel, recs in runs if any(pred(r) for r in recs)]
   return max(hits, key=_run_key) if hits else None
@@ -187,6 +219,10 @@ COMM_COLS = ["bench", "impl", "dtype", "tokens_per_rank", "ranks", "time_us", "d
              "path_detail"]
 GG_COLS = ["direction", "mode", "routing", "impl", "dtype", "time_us", "ratio_to_dense",
            "ratio_to_bf16", "tflops", "weight_read_gbps", "path"]
+TRAIN_COLS = ["impl", "activation", "hidden", "ffn", "experts", "layers", "steps", "lr",
+              "lr_schedule", "warmup_steps", "first_loss", "final_loss", "tail_mean_loss",
+              "final_eval_loss", "eval_batches", "relative_difference", "tail_relative_difference",
+              "eval_relative_gap", "eval_paired_se", "nonfinite_losses", "median_step_s", "path"]
 HEADLINES = [
     # Three kinds of grouped-GEMM runs: the whole benchmark (every
     # implementation side by side), --fp8-only (the FP8 products beside the
@@ -219,11 +255,12 @@ HEADLINES = [
      lambda r: r.get("tokens_per_rank") == 4096 and r.get("activation") == "swiglu",
      ["impl", "kind", "dtype", "time_us", "floor_us", "share_of_floor", "speedup_vs_jax_ep_bf16",
       "speedup_vs_jax_native", "path"]),
-    ("Training quality: bf16 and FP8 experts from the same start", "train",
-     lambda r: r.get("bench") == "train_quality",
-     ["impl", "activation", "hidden", "ffn", "experts", "steps", "lr", "first_loss",
-      "final_loss", "tail_mean_loss", "relative_difference", "tail_relative_difference",
-      "nonfinite_losses", "path"]),
+    ("Training quality on CPU (the reference): bf16 and FP8 experts from the same start",
+     "train", lambda r: r.get("bench") == "train_quality" and r.get("path") == "reference",
+     TRAIN_COLS),
+    ("Training quality on one GPU (the kernels): bf16 and FP8 experts from the same start",
+     "train", lambda r: r.get("bench") == "train_quality" and r.get("path") == "cuda",
+     TRAIN_COLS),
 ]
 
 OPS = ["dispatch / combine", "low latency", "Engram", "grouped GEMM"]
@@ -335,7 +372,7 @@ def build() -> str:
       continue
     rel, recs = hit
     lines += _run_lines(rel, recs)
-    lines += _summary(recs)
+    lines += _train_summary(rel, recs) if bench == "train" else _summary(recs)
     lines += _table(recs, cols) + [""]
   lines += ["## Every run", "",
             "All run files, newest first (each table above is one of them).", ""]

@@ -1,6 +1,7 @@
 """jax_ep.train (the example training run) on CPU: a short run lowers the
 loss and writes its JSON and PNG; the layer's options run through it (SwiGLU
-experts, bf16 against FP8 from the same start); --help shows the defaults; two
+experts, bf16 against FP8 from the same start, compared on a held-out eval,
+learning-rate schedules); --help shows the defaults; two
 processes (jax.distributed, gloo collectives, 4 CPU devices each) train in
 step with each other and with one process of 8 devices."""
 from __future__ import annotations
@@ -64,7 +65,8 @@ def test_swiglu_compare_fp8_trains_both_precisions_from_the_same_start(tmp_path)
   js, png = tmp_path / "losses.json", tmp_path / "loss.png"
   result = train.main(["--steps", "4", *TINY, "--hidden", "128", "--shared-ffn", "128",
                        "--activation", "swiglu", "--compare-fp8", "--json", str(js),
-                       "--plot", str(png)])
+                       "--plot", str(png), "--eval-every", "3", "--eval-batches", "3",
+                       "--lr-schedule", "cosine", "--warmup-steps", "1"])
   runs = result["runs"]
   assert set(runs) == {"bf16", "fp8"}
   b16, f8 = runs["bf16"]["losses"], runs["fp8"]["losses"]
@@ -78,6 +80,58 @@ def test_swiglu_compare_fp8_trains_both_precisions_from_the_same_start(tmp_path)
   assert result["fp8_tail_mean_relative_difference"] >= 0
   assert json.loads(js.read_text())["runs"]["fp8"]["losses"] == f8
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # The held-out eval: before the first step, every 3 steps and after the
+  # last, on the same batches for both runs; the comparison is the final one.
+  eb, ef = runs["bf16"]["eval"], runs["fp8"]["eval"]
+  assert eb["steps"] == ef["steps"] == [0, 3, 4]
+  assert all(len(b) == 3 for b in eb["batch_losses"] + ef["batch_losses"])
+  assert abs(eb["losses"][0] - ef["losses"][0]) < 0.02 * eb["losses"][0]  # the same start
+  assert ef["losses"][-1] < ef["losses"][0] and np.all(np.isfinite(ef["batch_losses"]))
+  b, f = np.array(eb["batch_losses"][-1]), np.array(ef["batch_losses"][-1])
+  assert result["fp8_eval_step"] == 4 and result["fp8_eval_batches"] == 3
+  assert result["fp8_eval_final_loss"] == dict(bf16=b.mean(), fp8=f.mean())
+  assert abs(result["fp8_eval_relative_gap"] - (f.mean() - b.mean()) / b.mean()) < 1e-12
+  se = np.std(f - b, ddof=1) / np.sqrt(3) / b.mean()
+  assert abs(result["fp8_eval_paired_se"] - se) < 1e-12 and result["fp8_eval_finite"]
+  # The schedule: warm-up over one step, then cosine from --lr (3e-3) towards 0.
+  np.testing.assert_allclose(runs["bf16"]["lrs"],
+                             [3e-3 * 0.5 * (1 + np.cos(np.pi * max(0, k - 1) / 3))
+                              for k in range(4)], rtol=1e-6)
+  assert result["command"].startswith("python -m jax_ep.train --steps 4")
+  assert result["date"] and result["device_kind"]
+
+
+def test_learning_rate_schedules_and_eval_points():
+  """auto is the constant --lr (optax gets a plain float, as before); a
+  warm-up rises linearly; cosine falls from --lr towards 0. The eval runs
+  before the first step, every N steps and after the last; its batches come
+  from their own seed: the same every time, not the training batches."""
+  args = train.parse_args(["--steps", "10", "--lr", "1e-2"])
+  assert args.lr_schedule == "auto" and train._schedule(args) == 1e-2
+  args = train.parse_args(["--steps", "10", "--lr", "1e-2", "--lr-schedule", "constant",
+                           "--warmup-steps", "4"])
+  lrs = [float(train.learning_rate(args, k, np)) for k in range(10)]
+  np.testing.assert_allclose(lrs, [2.5e-3, 5e-3, 7.5e-3] + [1e-2] * 7)
+  assert abs(float(train._schedule(args)(0)) - 2.5e-3) < 1e-9
+  args = train.parse_args(["--steps", "10", "--lr", "1e-2", "--lr-schedule", "cosine"])
+  lrs = [float(train.learning_rate(args, k, np)) for k in range(10)]
+  assert lrs[0] == 1e-2 and all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] < 1e-3
+  assert train.eval_points(10, 0) == []
+  assert train.eval_points(10, 4) == [0, 4, 8, 10] and train.eval_points(8, 4) == [0, 4, 8]
+  args = train.parse_args(["--eval-batches", "3", "--batch", "4"])
+  perm = train.task_permutation(args.vocab, seed=args.seed)
+  held = train.eval_batches(args, perm)
+  again = train.eval_batches(args, perm)
+  assert len(held) == 3 and all(np.array_equal(a, b) for a, b in zip(held, again))
+  first_train = train.make_batch(np.random.default_rng(args.seed + 1), perm, batch=4, seq=args.seq)
+  assert not any(np.array_equal(h, first_train) for h in held)
+  for bad in (["--eval-every", "2", "--eval-batches", "0"], ["--warmup-steps", "-1"]):
+    try:
+      train.main(bad + ["--no-plot"])
+    except SystemExit as e:
+      assert "eval-batches" in str(e) or "warmup" in str(e)
+    else:
+      raise AssertionError(bad)
 
 
 def test_help_shows_every_default_and_fp8_comparisons_do_not_stack():
@@ -172,9 +226,13 @@ def test_help_shows_every_option_with_its_default(capsys):
     train.parse_args(["--help"])
   text = " ".join(capsys.readouterr().out.split())
   assert text.startswith("usage: python -m jax_ep.train")
+  options = text.split("options:", 1)[1]
   for flag, default in (("--steps", 30), ("--batch", 16), ("--hidden", 64), ("--lr", 0.003),
-                        ("--backend", "auto"), ("--plot", "train_loss.png")):
-    assert f"(default: {default})" in text.split(flag, 2)[-1][:200], flag
+                        ("--backend", "auto"), ("--plot", "train_loss.png"),
+                        ("--lr-schedule", "auto"), ("--warmup-steps", 0), ("--eval-every", 0),
+                        ("--eval-batches", 8)):
+    # The option's own entry (not one whose name starts the same, e.g. --lr-schedule).
+    assert f"(default: {default})" in options.split(f"{flag} ", 1)[1][:200], flag
   parser_defaults = vars(train.parse_args([]))
   shown = text.count("(default: ")
   assert shown == len(parser_defaults), (shown, len(parser_defaults))

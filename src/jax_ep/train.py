@@ -24,16 +24,25 @@ reference, and reports how far the loss curves drift apart.
 expert GEMMs through FP8 (jax_ep.nn.MoE's precision="fp8"; hidden, ffn and
 shared-ffn multiples of 128); `--compare-fp8` trains bf16 and FP8 from the
 same start and data, reports the final losses' relative difference and
-plots both curves. Several
+plots both curves. `--eval-every N --eval-batches K` evaluates the loss on K
+fixed held-out batches (drawn from their own seed, the same for every run)
+before the first step, every N steps and after the last; with
+`--compare-fp8` the final comparison is the final eval loss, with its
+relative gap and a paired standard error over the eval batches.
+`--lr-schedule {auto,constant,cosine}` with `--warmup-steps`: the learning
+rate (auto: constant, as before). Several
 processes: `--coordinator HOST:PORT --num-processes N --process-id I`
 (jax.distributed); only process 0 prints and writes files.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import shlex
+import sys
 import time
 from typing import Callable, Optional
 
@@ -70,6 +79,46 @@ def make_batch(rng: np.random.Generator, perm: np.ndarray, *, batch: int,
   for t in range(1, seq):
     x[:, t + 1] = (perm[x[:, t]] + x[:, t - 1] % 2) % vocab
   return x
+
+
+# Offset of the held-out eval batches' seed from --seed: they never share
+# the training batches' stream.
+EVAL_SEED_OFFSET = 1000
+
+
+def eval_batches(args: argparse.Namespace, perm: np.ndarray) -> list[np.ndarray]:
+  """The --eval-batches fixed held-out batches (each [batch, seq + 1]),
+  drawn from their own seed: the same for every run of one --seed."""
+  rng = np.random.default_rng(args.seed + EVAL_SEED_OFFSET)
+  return [make_batch(rng, perm, batch=args.batch, seq=args.seq) for _ in range(args.eval_batches)]
+
+
+def eval_points(steps: int, every: int) -> list[int]:
+  """Steps after which the eval runs (0: before the first): 0, every,
+  2 * every, ... and the last step; none without --eval-every."""
+  if every <= 0:
+    return []
+  return sorted({0, steps, *range(every, steps + 1, every)})
+
+
+def learning_rate(args: argparse.Namespace, step, xp=jnp):
+  """The learning rate of optimizer step `step` (0-based; numpy or jax
+  scalars). auto / constant: --lr; cosine: from --lr down towards 0 (reached
+  after the last step). Either after a linear warm-up over --warmup-steps (from lr /
+  warmup at the first step)."""
+  warm = args.warmup_steps
+  lr = args.lr * (xp.minimum(1.0, (step + 1) / warm) if warm > 0 else 1.0)
+  if args.lr_schedule == "cosine":
+    frac = xp.clip((step - warm) / max(1, args.steps - warm), 0.0, 1.0)
+    lr = lr * 0.5 * (1.0 + xp.cos(math.pi * frac))
+  return lr
+
+
+def _schedule(args: argparse.Namespace):
+  """What optax.adam takes: a float where the rate never changes."""
+  if args.lr_schedule in ("auto", "constant") and args.warmup_steps <= 0:
+    return args.lr
+  return lambda count: learning_rate(args, count)
 
 
 # ------------------------------------------------------------------ model
@@ -157,8 +206,10 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
           log: Callable[..., None], show_bar: bool, label: str = "train",
           precision: Optional[str] = None) -> dict:
   """Trains from the seed's start for args.steps; returns the losses, the
-  step times, the tokens per second (steady state) and how many programs the
-  step compiled. precision: the MoE layers' ("bf16" / "fp8"; default from
+  learning rates, the step times, the tokens per second (steady state), how
+  many programs the step compiled and the held-out evals ("eval": the steps
+  after which each ran, each eval batch's loss there, their means).
+  precision: the MoE layers' ("bf16" / "fp8"; default from
   args.fp8)."""
   if precision is None:
     precision = "fp8" if args.fp8 else "bf16"
@@ -179,7 +230,7 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
       vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers,
       moe=lambda rngs: MoE(args.hidden, args.ffn, experts, args.topk, rngs=rngs, **moe_kwargs),
       remat=args.remat, engram=engram, rngs=nnx.Rngs(args.seed))
-  opt = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, optax.adam(_schedule(args)), wrt=nnx.Param)
   # The MoE layers placed their own weights; everything else (attention,
   # embeddings, the optimizer's counts) is replicated over the mesh, so the
   # second step reuses the first step's program.
@@ -205,27 +256,64 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
   perm = task_permutation(args.vocab, seed=args.seed)
   rng = np.random.default_rng(args.seed + 1)
   sharding = NamedSharding(mesh, token_spec)
+
+  def place(host):  # every process draws the same global batch and keeps its own rows
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+  points = eval_points(args.steps, args.eval_every)
+  held_out = [place(b) for b in eval_batches(args, perm)] if points else []
+  eval_loss = jax.jit(lambda state, published, tokens: next_token_loss(
+      nnx.merge(graph, state)[0], tokens, published))
+  evals = dict(steps=[], batch_losses=[], losses=[])
+
+  def evaluate(step):
+    per = [float(eval_loss(state, published, t)) for t in held_out]
+    evals["steps"].append(step)
+    evals["batch_losses"].append(per)
+    evals["losses"].append(float(np.mean(per)))
+
   losses, times = [], []
+  if 0 in points:
+    evaluate(0)
   bar = tqdm(range(args.steps), desc=label, unit="step", disable=not show_bar)
-  for _ in bar:
-    # Every process draws the same global batch and keeps its own rows.
-    host = make_batch(rng, perm, batch=args.batch, seq=args.seq)
-    tokens = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+  for i in bar:
+    tokens = place(make_batch(rng, perm, batch=args.batch, seq=args.seq))
     t0 = time.perf_counter()
     loss, state, published = step(state, published, tokens)
     loss = float(loss)
     times.append(time.perf_counter() - t0)
     losses.append(loss)
     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{args.batch * args.seq / times[-1]:.0f}")
+    if i + 1 in points[1:]:
+      evaluate(i + 1)
+      bar.set_postfix(loss=f"{loss:.4f}", eval=f"{evals['losses'][-1]:.4f}")
   steady = times[1:] or times
   tokens_per_s = args.batch * args.seq / float(np.median(steady))
   log(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tokens_per_s:.0f} tokens/s "
       f"(median step {np.median(steady) * 1e3:.1f} ms; first step, with compilation, "
-      f"{times[0]:.2f} s)")
+      f"{times[0]:.2f} s)" + (f"; eval loss {evals['losses'][0]:.4f} -> "
+                              f"{evals['losses'][-1]:.4f}" if points else ""))
   # Where the Engram lookups ran: "auto" = the kernels on the CUDA platform.
   engram_path = published.backend if published is not None else None
-  return dict(losses=losses, step_times_s=times, tokens_per_s=tokens_per_s,
+  lrs = [float(learning_rate(args, np.float64(k), np)) for k in range(args.steps)]
+  return dict(losses=losses, lrs=lrs, eval=evals, step_times_s=times, tokens_per_s=tokens_per_s,
               compiled_programs=step._cache_size(), engram_path=engram_path)
+
+
+def fp8_eval_comparison(b16: dict, f8: dict) -> dict:
+  """The final held-out eval of a bf16 and an FP8 run on the same batches:
+  both mean losses, the relative gap (fp8 - bf16) / bf16 and its paired
+  standard error over the eval batches (std of the per-batch differences /
+  sqrt(K), relative to the bf16 mean), and whether any eval loss of either
+  run was not finite."""
+  b, f = np.asarray(b16["batch_losses"][-1]), np.asarray(f8["batch_losses"][-1])
+  mb, mf = float(np.mean(b)), float(np.mean(f))
+  k = len(b)
+  se = float(np.std(f - b, ddof=1) / math.sqrt(k)) / abs(mb) if k > 1 else float("nan")
+  finite = all(np.all(np.isfinite(r["batch_losses"])) for r in (b16, f8))
+  return dict(fp8_eval_step=int(f8["steps"][-1]), fp8_eval_final_loss=dict(bf16=mb, fp8=mf),
+              fp8_eval_relative_gap=(mf - mb) / abs(mb), fp8_eval_paired_se=se,
+              fp8_eval_batches=k, fp8_eval_finite=bool(finite))
 
 
 def max_relative_difference(a: list[float], b: list[float], steps: int) -> float:
@@ -236,10 +324,12 @@ def max_relative_difference(a: list[float], b: list[float], steps: int) -> float
 
 
 def plot_losses(curves: dict[str, list[float]], path: str, *, title: str,
-                log_y: bool = False) -> bool:
+                log_y: bool = False,
+                evals: Optional[dict[str, tuple[list[int], list[float]]]] = None) -> bool:
   """Writes a loss-curve PNG (log_y: a logarithmic loss axis, where curves
-  that end close together are told apart); False (and a note) without
-  matplotlib."""
+  that end close together are told apart; evals: per curve, the held-out
+  eval losses after the given steps, drawn as markers of the curve's
+  colour); False (and a note) without matplotlib."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -249,8 +339,12 @@ def plot_losses(curves: dict[str, list[float]], path: str, *, title: str,
     return False
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, losses in curves.items():
-    ax.plot(np.arange(1, len(losses) + 1), losses, label=name)
-  ax.set_xlabel("step")
+    # Step i's loss is of the parameters after i updates, as the eval after i steps.
+    line, = ax.plot(np.arange(len(losses)), losses, label=f"{name} train", alpha=0.6)
+    if evals and evals.get(name) and evals[name][0]:
+      ax.plot(*evals[name], "o-", color=line.get_color(), markersize=3,
+              label=f"{name} held-out eval")
+  ax.set_xlabel("optimizer steps taken")
   ax.set_ylabel("next-token cross-entropy")
   if log_y:
     ax.set_yscale("log")
@@ -295,7 +389,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--engram-rows", type=int, default=1021, help="Engram rows per (order, head)")
   p.add_argument("--engram-dim", type=int, default=16, help="Engram row width D")
   p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh dp x ep)")
-  p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate")
+  p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate (the peak, with "
+                 "a schedule)")
+  p.add_argument("--lr-schedule", choices=("auto", "constant", "cosine"), default="auto",
+                 help="auto/constant: --lr throughout; cosine: from --lr down towards 0 at the "
+                      "end; either after --warmup-steps")
+  p.add_argument("--warmup-steps", type=int, default=0,
+                 help="linear learning-rate warm-up steps (0: none)")
+  p.add_argument("--eval-every", type=int, default=0,
+                 help="held-out eval loss before the first step, every N steps and after the "
+                      "last (0: no eval)")
+  p.add_argument("--eval-batches", type=int, default=8,
+                 help="fixed held-out batches of --batch sequences (their own seed) per eval")
   p.add_argument("--seed", type=int, default=0, help="parameters and data")
   p.add_argument("--backend", choices=tuple(BACKENDS), default="auto",
                  help="auto: CUDA kernels where they run, else the reference")
@@ -333,13 +438,27 @@ def _start_jax(args: argparse.Namespace) -> None:
                                num_processes=args.num_processes, process_id=args.process_id)
 
 
+def _command(argv) -> str:
+  """The command as it could be typed again (settings that change what the
+  run does first)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+         if k.startswith(("JAX_EP_", "XLA_FLAGS")) and k not in ("JAX_EP_COMMIT", "JAX_EP_CUDA")]
+  return " ".join(env + ["python -m jax_ep.train", shlex.join(argv)]).strip()
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   _start_jax(args)
   main_process = jax.process_index() == 0
   log = print if main_process else (lambda *a, **k: None)
   if args.compare_fp8 and args.compare_backends:
     raise SystemExit("--compare-fp8 and --compare-backends each train twice: pick one")
+  if args.eval_every > 0 and args.eval_batches < 1:
+    raise SystemExit("--eval-every needs --eval-batches >= 1")
+  if args.warmup_steps < 0:
+    raise SystemExit("--warmup-steps must be >= 0")
   mesh = build_mesh(args.dp)
   if args.batch % mesh.size:
     raise SystemExit(f"--batch {args.batch} must be a multiple of the {mesh.size} devices "
@@ -372,8 +491,10 @@ def main(argv=None) -> dict:
   finally:
     if comm is not None:
       comm.close()
-  result = dict(args=vars(args), platform=devices[0].platform, devices=len(devices),
-                processes=jax.process_count(), kernels=kernels, runs=runs)
+  result = dict(args=vars(args), command=_command(argv), date=started,
+                platform=devices[0].platform, device_kind=devices[0].device_kind,
+                devices=len(devices), processes=jax.process_count(), host_cpus=os.cpu_count(),
+                kernels=kernels, runs=runs)
   if args.compare_backends:
     a, b = (r["losses"] for r in runs.values())
     result["max_relative_loss_difference"] = diff = max_relative_difference(
@@ -393,6 +514,13 @@ def main(argv=None) -> dict:
     log(f"final loss: bf16 {b16[-1]:.4f}, fp8 {f8[-1]:.4f}, relative difference {rel:.2%}; "
         f"mean of the last {tail} steps: bf16 {mb:.4f}, fp8 {mf:.4f}, {tail_rel:.2%}"
         + ("" if finite else "; the FP8 run has non-finite losses"))
+    if args.eval_every > 0:
+      result.update(fp8_eval_comparison(runs["bf16"]["eval"], runs["fp8"]["eval"]))
+      c = result
+      log(f"final eval loss ({args.eval_batches} held-out batches, step "
+          f"{c['fp8_eval_step']}): bf16 {c['fp8_eval_final_loss']['bf16']:.4f}, fp8 "
+          f"{c['fp8_eval_final_loss']['fp8']:.4f}, relative gap {c['fp8_eval_relative_gap']:+.2%} "
+          f"(paired standard error {c['fp8_eval_paired_se']:.2%})")
   if main_process:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
@@ -400,7 +528,9 @@ def main(argv=None) -> dict:
     if not args.no_plot and plot_losses({k: r["losses"] for k, r in runs.items()}, args.plot,
                                         title=f"jax_ep.train on {len(devices)} x "
                                               f"{devices[0].platform}",
-                                        log_y=args.compare_fp8):
+                                        log_y=args.compare_fp8,
+                                        evals={k: (r["eval"]["steps"], r["eval"]["losses"])
+                                               for k, r in runs.items()}):
       written.append(args.plot)
     log("wrote " + ", ".join(written))
   return result

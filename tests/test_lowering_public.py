@@ -283,10 +283,15 @@ def test_low_latency_auto_falls_back_where_the_kernels_cannot_run(small_fake_com
   comm.info = lambda: [dict(rank=0, gin_mask=0b10)]                  # a peer reached by GIN
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(_backend, "cuda_comm", lambda axis_name: comm)
-    assert choose() == "reference"
-    assert choose("cuda") == "cuda"                      # the handler says why at run time
+    assert choose() == "auto"                            # the kernels have a GIN path
+    # A GIN peer adds the staging area to the window: a shape that fits the
+    # 1 MiB window over LSA alone no longer does.
+    assert choose(M=40) == "reference"
+    with pytest.raises(ValueError, match="window bytes"):
+      choose("cuda", M=40)
     comm.info = lambda: [dict(rank=0, gin_mask=0)]
     assert choose() == "auto"
+    assert choose(M=40) == "auto"
   with pytest.raises(ValueError, match="bf16"):
     choose("cuda", dtype=jnp.float32)
   with pytest.raises(ValueError, match="window bytes"):

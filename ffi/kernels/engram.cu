@@ -10,6 +10,7 @@
 // NVLink rate).
 #include "config_check.cuh"
 #include "engram.cuh"
+#include "engram_rows.cuh"
 #include "ep_copy.cuh"
 #include "kernel_load.h"
 #include "peer.cuh"
@@ -97,14 +98,7 @@ __global__ void __launch_bounds__(kFetchThreads)
   const uint64_t V = static_cast<uint64_t>(a.rows_per_rank) * p.nranks;
   const uint32_t stride = gridDim.x * blockDim.x;
   // A stale publication reads nothing: every index counts as -1 (zeros).
-  // Version 0 means no live publication there, whatever the token says (a
-  // failed publish also leaves 0 in its token). The word was written by an
-  // earlier kernel of this stream: a plain load, not the read-only path.
-  bool stale = false;
-  if (a.token != nullptr) {
-    const unsigned long long v = a.version == nullptr ? 0ull : *a.version;
-    stale = v == 0 || static_cast<unsigned long long>(static_cast<uint32_t>(__ldg(a.token))) != v;
-  }
+  const bool stale = EngramStale(a);
   bool bad = false;
   // V = rows_per_rank * R <= 2^31 (the handler checks): 32-bit row math.
   const uint32_t rpr = static_cast<uint32_t>(a.rows_per_rank);
@@ -134,12 +128,7 @@ __global__ void __launch_bounds__(kFetchThreads)
         // overlap the index loads above).
         const int32_t id = stale || q >= total ? -1 : idx[u];
         if (id >= 0 && static_cast<uint32_t>(id) < V32) {
-          // The owner by comparisons (R <= kMaxRanks), not a division.
-          uint32_t owner = 0;
-#pragma unroll
-          for (int r = 1; r < kMaxRanks; ++r) {
-            owner += (r < p.nranks && static_cast<uint32_t>(id) >= r * rpr) ? 1u : 0u;
-          }
+          const uint32_t owner = EngramOwnerOf(static_cast<uint32_t>(id), rpr, p.nranks);
           const uint32_t local = static_cast<uint32_t>(id) - owner * rpr;
           const uint32_t chunk = q - row[u] * vpr;
           const uint4* src = reinterpret_cast<const uint4*>(s_window[owner] + a.table_off +

@@ -18,6 +18,7 @@
 // Scratch and words: engram_layout.h EngramGinArea, kEngramGinWordsOffset.
 #include "config_check.cuh"
 #include "engram.cuh"
+#include "engram_rows.cuh"
 #include "ep_copy.cuh"
 #include "kernel_load.h"
 #include "peer.cuh"
@@ -47,21 +48,6 @@ __device__ __forceinline__ uint64_t* Word(const EpPeers& p, EngramGinWord kind, 
 // rows per fetch (the scratch's slot sizes) and the row bytes.
 __device__ __forceinline__ uint64_t Shape(const EngramFetchArgs& a) {
   return (static_cast<uint64_t>(a.row_bytes) << 32) | static_cast<uint64_t>(a.num_rows);
-}
-
-// The owner of a valid row id, by comparisons (R <= kMaxRanks).
-__device__ __forceinline__ int OwnerOf(uint32_t id, uint32_t rpr, int nranks) {
-  int owner = 0;
-#pragma unroll
-  for (int r = 1; r < kMaxRanks; ++r) owner += (r < nranks && id >= r * rpr) ? 1 : 0;
-  return owner;
-}
-
-// engram.cu's rule: a token other than the area's live version reads nothing.
-__device__ __forceinline__ bool Stale(const EngramFetchArgs& a) {
-  if (a.token == nullptr) return false;
-  const unsigned long long v = a.version == nullptr ? 0ull : *a.version;
-  return v == 0 || static_cast<unsigned long long>(static_cast<uint32_t>(__ldg(a.token))) != v;
 }
 
 // Puts `bytes` (may be 0) of this rank's window at `src` to peer j's `dst`
@@ -107,7 +93,7 @@ __global__ void __launch_bounds__(kRequestThreads)
   }
   __syncthreads();
   const EngramGinArea& area = g.area;
-  const bool stale = Stale(a);
+  const bool stale = EngramStale(a);
   const uint32_t rpr = static_cast<uint32_t>(a.rows_per_rank);
   const uint32_t V = rpr * static_cast<uint32_t>(p.nranks);
   const uint32_t n = static_cast<uint32_t>(a.num_rows);
@@ -116,7 +102,7 @@ __global__ void __launch_bounds__(kRequestThreads)
     const int32_t id = stale ? -1 : __ldg(a.indices + i);
     uint32_t at = 0xffffffffu;
     if (id >= 0 && static_cast<uint32_t>(id) < V) {
-      const int o = OwnerOf(static_cast<uint32_t>(id), rpr, p.nranks);
+      const int o = static_cast<int>(EngramOwnerOf(static_cast<uint32_t>(id), rpr, p.nranks));
       if (s_gin[o]) {
         at = atomicAdd(&s_count[o], 1u);
         reinterpret_cast<uint32_t*>(MyWindow(p) + area.req_out(o))[at] = static_cast<uint32_t>(id) - o * rpr;
@@ -253,7 +239,7 @@ __global__ void __launch_bounds__(kGatherThreads)
     s_src[o] = mode == 0 ? PeerWindow(p, o) + a.table_off : MyWindow(p) + g.area.resp_in(o);
   }
   __syncthreads();
-  const bool stale = Stale(a);
+  const bool stale = EngramStale(a);
   const uint32_t* pos = reinterpret_cast<const uint32_t*>(MyWindow(p) + g.area.pos());
   const uint32_t rb = static_cast<uint32_t>(a.row_bytes);
   const uint32_t unit = kVec ? 16u : 1u;
@@ -281,7 +267,7 @@ __global__ void __launch_bounds__(kGatherThreads)
       const int32_t id = idx[u];
       const char* src = nullptr;
       if (id >= 0 && static_cast<uint32_t>(id) < V) {
-        const int o = OwnerOf(static_cast<uint32_t>(id), rpr, p.nranks);
+        const int o = static_cast<int>(EngramOwnerOf(static_cast<uint32_t>(id), rpr, p.nranks));
         const int mode = s_mode[o];
         if (mode == 0) src = s_src[o] + static_cast<size_t>(static_cast<uint32_t>(id) - o * rpr) * rb + off;
         else if (mode == 1) src = s_src[o] + static_cast<size_t>(__ldcg(pos + row)) * rb + off;

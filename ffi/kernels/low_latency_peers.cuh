@@ -47,18 +47,26 @@ __device__ __forceinline__ uint32_t LlWordValue(const OpConfig& mine, uint32_t l
 
 // ---------------------------------------------------------------- dispatch
 
+// The first row of my [l][me][*] run for local expert l on its owner, and
+// of the same run in my staging area, laid out [d][l][*] so that each
+// (destination, expert) run is contiguous.
+__device__ __forceinline__ size_t LlDispCell(const EpPeers& p, const LlLayout& L, int l) {
+  return (static_cast<size_t>(l) * L.R + p.rank) * L.M;
+}
+__device__ __forceinline__ size_t LlDispStage(const LlLayout& L, int d, int l) {
+  return (static_cast<size_t>(d) * L.E_l + l) * L.M;
+}
+
 // Where my row `slot` for local expert l of rank d goes (its [l][me][slot]
 // cell there), and that row's source entry.
 __device__ __forceinline__ char* LlDispRowFor(const EpPeers& p, const LlLayout& L, int b, int d, int l,
                                               int slot) {
-  const size_t cell = (static_cast<size_t>(l) * L.R + p.rank) * L.M + slot;
-  const size_t stage = (static_cast<size_t>(d) * L.E_l + l) * L.M + slot;
+  const size_t cell = LlDispCell(p, L, l) + slot, stage = LlDispStage(L, d, l) + slot;
   return BytesFor(p, d, L.DispRows(b) + cell * L.row_bytes, L.StageDispRows() + stage * L.row_bytes);
 }
 __device__ __forceinline__ int32_t* LlDispMetaFor(const EpPeers& p, const LlLayout& L, int b, int d, int l,
                                                   int slot) {
-  const size_t cell = (static_cast<size_t>(l) * L.R + p.rank) * L.M + slot;
-  const size_t stage = (static_cast<size_t>(d) * L.E_l + l) * L.M + slot;
+  const size_t cell = LlDispCell(p, L, l) + slot, stage = LlDispStage(L, d, l) + slot;
   return reinterpret_cast<int32_t*>(BytesFor(p, d, L.DispMeta(b) + cell * 4, L.StageDispMeta() + stage * 4));
 }
 
@@ -82,8 +90,7 @@ __device__ void LlPostDispatchCounts(const EpPeers& p, const LlLayout& L, int b,
     const int d = e / L.E_l, l = e - d * L.E_l;
     if (!ReachedByGin(p, d)) continue;
     const int rows = min(s_count[e], L.M);
-    const size_t cell = (static_cast<size_t>(l) * L.R + p.rank) * L.M;
-    const size_t stage = (static_cast<size_t>(d) * L.E_l + l) * L.M;
+    const size_t cell = LlDispCell(p, L, l), stage = LlDispStage(L, d, l);
     const size_t word = L.DispCounts(b) + 8 * (static_cast<size_t>(l) * L.R + p.rank);
     const size_t stage_word = L.StageDispCounts() + 8 * (static_cast<size_t>(d) * L.E_l + l);
     if ((threadIdx.x & 31) == 0) {

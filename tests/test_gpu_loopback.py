@@ -229,14 +229,20 @@ def _ll_round(lb, rng, T, H, K, E, mt, fp8, what):
       got, lambda m: oracle.low_latency_combine(y, idx, w, disp, mode=m), f"ll combine R={R} {what}")
 
 
+def _ll_rounds(seed, R, T, H, K, E, mt, fp8, gin=False):
+  """Three rounds (both of the kernels' double buffers, and back to the
+  first) on one harness, every peer over emulated GIN with `gin`."""
+  rng = np.random.default_rng(stable_seed(seed, R, T, H, K, E, mt, fp8))
+  nbytes = _window.low_latency_bytes(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
+                                     num_experts=E, gin=gin)
+  with Loopback(R, nbytes, gin_emulated=gin) as lb:
+    for rnd in range(3):
+      _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
+
+
 @pytest.mark.parametrize("R,T,H,K,E,mt,fp8", LL_CASES)
 def test_low_latency_kernels_at_several_ranks_bitwise_equal_oracle(R, T, H, K, E, mt, fp8):
-  rng = np.random.default_rng(stable_seed("loopback-ll", R, T, H, K, E, mt, fp8))
-  nbytes = _window.low_latency_bytes(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
-                                                num_experts=E)
-  with Loopback(R, nbytes) as lb:
-    for rnd in range(3):  # both of the kernels' double buffers, and back to the first
-      _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
+  _ll_rounds("loopback-ll", R, T, H, K, E, mt, fp8)
 
 
 @pytest.mark.parametrize("R,T,H,K,E,mt,fp8", [
@@ -253,12 +259,7 @@ def test_low_latency_kernels_over_emulated_gin_at_several_ranks_bitwise_equal_or
   """low_latency_peers.cuh's GIN path: every peer a GIN peer, so rows, source
   entries and count / flag words go through the staging area and puts, and
   a receiver reads a peer's words only after its call's signal."""
-  rng = np.random.default_rng(stable_seed("loopback-ll-gin", R, T, H, K, E, mt, fp8))
-  nbytes = _window.low_latency_bytes(num_ranks=R, max_tokens=mt, hidden=H, topk=K,
-                                     num_experts=E, gin=True)
-  with Loopback(R, nbytes, gin_emulated=True) as lb:
-    for rnd in range(3):  # both of the kernels' double buffers, and back to the first
-      _ll_round(lb, rng, T, H, K, E, mt, fp8, f"round {rnd}")
+  _ll_rounds("loopback-ll-gin", R, T, H, K, E, mt, fp8, gin=True)
 
 
 def _engram_window(R, rpr, D, itemsize, rows, transport):

@@ -40,6 +40,15 @@ def cuda_comm(axis_name: str):
   return comm.current(axis_name)
 
 
+def has_gin_peer(comm) -> bool:
+  """Whether a local rank of `comm` (a Communicator, or None) reaches a peer
+  by GIN: the kernels then need their GIN staging or scratch in the window.
+  Every member of an EP group that spans NVLink domains has such a peer, so
+  the ranks of a group decide alike."""
+  info = getattr(comm, "info", None)
+  return bool(info is not None and any(d.get("gin_mask", 0) for d in info()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """What `choose` decided: `kind` "reference", "auto" (the kernels on the

@@ -69,10 +69,7 @@ def _gin_ranks(axis_name: str) -> int:
   fetches then exchange requests and answers through scratch in the window,
   `_window.engram_gin_bytes`), else 0."""
   comm = _backend.cuda_comm(axis_name)
-  info = getattr(comm, "info", None)
-  if info is None or not any(d.get("gin_mask", 0) for d in info()):
-    return 0
-  return int(comm.num_ranks)
+  return int(comm.num_ranks) if _backend.has_gin_peer(comm) else 0
 
 
 def _kernel_conditions(table, reserved_bytes: int, end: int = 0, *, axis_name: str = "ep",

@@ -74,22 +74,13 @@ def _kernel_refusal(dtype, hidden: int, fp8: bool, topk: int, max_tokens: int) -
           f"for such inputs)")
 
 
-def _has_gin_peer(comm) -> bool:
-  """Whether a local rank of `comm` reaches a peer by GIN: the kernels then
-  need their staging area in the window. Every member of an EP group that
-  spans NVLink domains has such a peer, so the ranks of a group decide
-  alike."""
-  info = getattr(comm, "info", None)
-  return bool(info is not None and any(d.get("gin_mask", 0) for d in info()))
-
-
 def _kernel_conditions(axis_name: str, *, dtype, hidden: int, fp8: bool, topk: int,
                        num_experts: int, max_tokens: int, reserved_bytes: int) -> dict:
   """What the kernels need of this call, for `_backend.choose`: an input
   they take and a window that holds their area above `reserved_bytes`
   (with the staging area where a peer is reached by GIN)."""
   comm = _backend.cuda_comm(axis_name)
-  gin = comm is not None and _has_gin_peer(comm)
+  gin = _backend.has_gin_peer(comm)
   need = _window.low_latency_bytes(num_ranks=ref.axis_size(axis_name), max_tokens=max_tokens,
                                    hidden=hidden, topk=topk, num_experts=num_experts,
                                    reserved_bytes=reserved_bytes, gin=gin)

@@ -168,32 +168,6 @@ ffi::Error PrepareFetch(const char* op, const DeviceResources& dev, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// Where a peer is on GIN, a fetch that this rank's handler refuses would
-// leave that peer waiting for its request and its answer: declared right
-// after AcquireDevice, it stands in for the exchange (engram.cuh
-// LaunchEngramGinRefusal) unless Launched() came first, under the
-// conditions RefusalNotice states for the barriers (one rank per process,
-// no start pending).
-class EngramGinRefusal {
- public:
-  EngramGinRefusal(const DeviceLease& lease, cudaStream_t stream) : lease_(lease), stream_(stream) {}
-  EngramGinRefusal(const EngramGinRefusal&) = delete;
-  EngramGinRefusal& operator=(const EngramGinRefusal&) = delete;
-  ~EngramGinRefusal() {
-    const DeviceResources* d = lease_.dev;
-    if (armed_ && d != nullptr && d->gin_mask != 0 && d->counters != nullptr &&
-        lease_.comm->devices.size() == 1 && d->nranks > 1 && d->side.pending == nullptr) {
-      LaunchEngramGinRefusal(d->peers(), d->counters, stream_);  // best effort
-    }
-  }
-  void Launched() { armed_ = false; }
-
- private:
-  const DeviceLease& lease_;
-  cudaStream_t stream_;
-  bool armed_ = true;
-};
-
 ffi::Error EngramPublishExecute(cudaStream_t stream, int32_t device_ordinal, CommState* state,
                                 int64_t comm_id, int64_t reserved_bytes,
                                 int64_t table_end_offset, int32_t num_sms, ffi::AnyBuffer table,
@@ -232,7 +206,7 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
       err.failure()) {
     return err;
   }
-  EngramGinRefusal gin_refusal(lease, stream);
+  RefusalNotice notice(lease, stream, 0, Op::kNone, /*engram_fetch=*/true);
   if (token.element_count() != 1) return Invalid(kOp, "token must be the s32 [1] of engram_publish");
   EngramFetchArgs a;
   EngramGinFetchArgs gin;
@@ -245,7 +219,7 @@ ffi::Error EngramFetchExecute(cudaStream_t stream, int32_t device_ordinal, CommS
   const int slot = lease.dev->engram_versions->Slot(
       a.table_off, static_cast<size_t>(a.rows_per_rank) * a.row_bytes);
   a.version = slot < 0 ? nullptr : lease.dev->engram_words() + 1 + slot;
-  gin_refusal.Launched();
+  notice.Launched();
   if (cudaError_t err = LaunchEngramFetch(a, lease.dev->peers(), stream, gin); err != cudaSuccess) {
     return CudaError(err, "engram_fetch launch");
   }
@@ -262,10 +236,8 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
       err.failure()) {
     return err;
   }
-  // Destroyed after `notice`: a refusal stands in for the publish's
-  // barriers first, then for the fetch's exchange.
-  EngramGinRefusal gin_refusal(lease, stream);
-  RefusalNotice notice(lease, stream, kEngramPublishBarriers);  // the publish's
+  // A refusal stands in for the publish's barriers, then the fetch's exchange.
+  RefusalNotice notice(lease, stream, kEngramPublishBarriers, Op::kNone, /*engram_fetch=*/true);
   // A publish writes the window; a pending start's kernels may be using it.
   if (ffi::Error err = RefuseWhileStartPending(*lease.dev, kOp, stream); err.failure()) return err;
   if (rows->element_type() != table.element_type())
@@ -289,7 +261,6 @@ ffi::Error EngramPublishFetchExecute(cudaStream_t stream, int32_t device_ordinal
   }
   const EpPeers peers = lease.dev->peers();
   notice.Launched();
-  gin_refusal.Launched();
   if (cudaError_t err = LaunchEngramPublish(pa, peers, stream); err != cudaSuccess) {
     return CudaError(err, "engram_fetch (publish) launch");
   }

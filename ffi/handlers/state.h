@@ -130,11 +130,15 @@ inline ffi::Error EndCall(const DeviceLease& lease, cudaStream_t stream) {
 // A low-latency sending call (`low_latency` = its op) has no barrier to
 // stand in for: it stands in for the call itself (abort.h LaunchLlRefusal),
 // with a refused record for LSA peers and a refusal word and the call's
-// signal for GIN peers.
+// signal for GIN peers. An Engram fetch (`engram_fetch`) with a GIN peer
+// also stands in for its request / answer exchange (abort.h
+// LaunchEngramGinRefusal), after the barriers of a publish fused with it.
 class RefusalNotice {
  public:
-  RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers, Op low_latency = Op::kNone)
-      : lease_(lease), stream_(stream), barriers_(barriers), low_latency_(low_latency) {}
+  RefusalNotice(const DeviceLease& lease, cudaStream_t stream, int barriers, Op low_latency = Op::kNone,
+                bool engram_fetch = false)
+      : lease_(lease), stream_(stream), barriers_(barriers), low_latency_(low_latency),
+        engram_fetch_(engram_fetch) {}
   RefusalNotice(const RefusalNotice&) = delete;
   RefusalNotice& operator=(const RefusalNotice&) = delete;
   ~RefusalNotice() {
@@ -144,6 +148,7 @@ class RefusalNotice {
       // best effort
       if (low_latency_ == Op::kNone) LaunchRefusedBarriers(d->peers(), barriers_, stream_);
       else LaunchLlRefusal(d->peers(), low_latency_ == Op::kLowLatencyCombine, d->counters, stream_);
+      if (engram_fetch_ && d->gin_mask != 0) LaunchEngramGinRefusal(d->peers(), d->counters, stream_);
     }
   }
   // The op's kernels are about to be enqueued: they take part in the
@@ -155,6 +160,7 @@ class RefusalNotice {
   cudaStream_t stream_;
   int barriers_;
   Op low_latency_;
+  bool engram_fetch_;
   bool armed_ = true;
 };
 

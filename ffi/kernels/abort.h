@@ -41,4 +41,12 @@ cudaError_t LaunchRefusedBarriers(const EpPeers& p, int barriers, cudaStream_t s
 cudaError_t LaunchLlRefusal(const EpPeers& p, bool combine, unsigned long long* counters,
                             cudaStream_t stream);
 
+// An Engram fetch where a peer is on GIN has no barrier either: its peers
+// wait for this rank's request and answer. A refused fetch advances this
+// rank's fetch sequence as if it had fetched, and each GIN peer gets a
+// refused request and a refused answer with their signals, so it fails at
+// once and the counts stay in step. (engram_gin.cu)
+cudaError_t LaunchEngramGinRefusal(const EpPeers& p, unsigned long long* counters,
+                                   cudaStream_t stream);
+
 }  // namespace jax_ep

@@ -90,13 +90,6 @@ cudaError_t LaunchEngramFetch(const EngramFetchArgs& a, const EpPeers& p, cudaSt
 cudaError_t LaunchEngramGinFetch(const EngramFetchArgs& a, const EngramGinFetchArgs& g,
                                  const EpPeers& p, cudaStream_t stream);
 
-// What a handler that refuses a fetch launches where a peer is on GIN
-// (abort.h's idea for the exchange): this rank's sequence advances as if it
-// had fetched, and each GIN peer gets a refused request and a refused answer
-// with their signals, so it fails at once and the counts stay in step.
-cudaError_t LaunchEngramGinRefusal(const EpPeers& p, unsigned long long* counters,
-                                   cudaStream_t stream);
-
 // Clears the version words of the slots in `m` (their tables are about to
 // be overwritten by another op); nothing is launched when `m` is empty.
 cudaError_t LaunchEngramClear(const EngramSlotMask& m, unsigned long long* versions,

@@ -16,6 +16,7 @@
 // counts always equal the device's fetch sequence (kEngramGinSeqCounter).
 // A rank that refuses the call stands in for it (LaunchEngramGinRefusal).
 // Scratch and words: engram_layout.h EngramGinArea, kEngramGinWordsOffset.
+#include "abort.h"
 #include "config_check.cuh"
 #include "engram.cuh"
 #include "engram_rows.cuh"

@@ -20,6 +20,7 @@ from jax_ep.ops.grouped_gemm import (Fp8Weights, dequantize_weights_fp8, fp8_wei
 from jax_ep.ops.engram import (engram_fetch, engram_fetch_start, engram_fetch_wait,
                                engram_publish)
 from jax_ep.ops.layout import get_dispatch_layout
+from jax_ep.ops.mega_moe import mega_moe
 from jax_ep.ops.low_latency import (low_latency_combine, low_latency_combine_done,
                                     low_latency_combine_start, low_latency_dispatch,
                                     low_latency_dispatch_done, low_latency_dispatch_start)
@@ -52,7 +53,8 @@ __all__ = [
     "get_buffer_size_hint", "get_dispatch_layout", "grouped_matmul", "grouped_matmul_fp8",
     "low_latency_combine", "low_latency_combine_done", "low_latency_combine_start",
     "low_latency_dispatch", "low_latency_dispatch_done", "low_latency_dispatch_start",
-    "masked_grouped_matmul", "masked_grouped_matmul_fp8", "ordered_after", "quantize",
+    "masked_grouped_matmul", "masked_grouped_matmul_fp8", "mega_moe", "ordered_after",
+    "quantize",
     "quantize_weights_fp8",
     "shard_map",
 ]

@@ -24,7 +24,9 @@ reference, and reports how far the loss curves drift apart.
 expert GEMMs through FP8 (jax_ep.nn.MoE's precision="fp8"; hidden, ffn and
 shared-ffn multiples of 128); `--compare-fp8` trains bf16 and FP8 from the
 same start and data, reports the final losses' relative difference and
-plots both curves. `--eval-every N --eval-batches K` evaluates the loss on K
+plots both curves. `--fused` runs the FP8 layers' routed experts as one
+`jax_ep.mega_moe` op (with --activation swiglu and --fp8 or --compare-fp8).
+`--eval-every N --eval-batches K` evaluates the loss on K
 fixed held-out batches (drawn from their own seed, the same for every run)
 before the first step, every N steps and after the last; with
 `--compare-fp8` the final comparison is the final eval loss, with its
@@ -219,7 +221,7 @@ def train(args: argparse.Namespace, mesh: Mesh, *, backend: Optional[str],
   moe_kwargs = dict(mesh=mesh, axis_name="ep", data_axis="dp" if dp else None, backend=backend,
                     score_fn=args.score_fn, shared_ffn=args.shared_ffn or None,
                     fp8_dispatch=args.fp8_dispatch, activation=args.activation,
-                    precision=precision)
+                    precision=precision, fused=args.fused and precision == "fp8")
   experts = args.experts_per_rank * ep
   engram = None
   if args.engram:
@@ -383,6 +385,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compare-fp8", action="store_true",
                  help="train bf16 and FP8 from the same start; report the final losses' "
                       "relative difference and plot both curves")
+  p.add_argument("--fused", action="store_true",
+                 help="the FP8 layers' routed experts as one jax_ep.mega_moe op (needs "
+                      "--activation swiglu and --fp8 or --compare-fp8)")
   p.add_argument("--remat", action="store_true", help="recompute each block in the backward")
   p.add_argument("--engram", action="store_true",
                  help="add a jax_ep.nn.Engram layer after the embedding")
@@ -455,6 +460,9 @@ def main(argv=None) -> dict:
   log = print if main_process else (lambda *a, **k: None)
   if args.compare_fp8 and args.compare_backends:
     raise SystemExit("--compare-fp8 and --compare-backends each train twice: pick one")
+  if args.fused and (args.activation != "swiglu" or not (args.fp8 or args.compare_fp8)):
+    raise SystemExit("--fused runs SwiGLU experts in FP8: it needs --activation swiglu and "
+                     "--fp8 or --compare-fp8")
   if args.eval_every > 0 and args.eval_batches < 1:
     raise SystemExit("--eval-every needs --eval-batches >= 1")
   if args.warmup_steps < 0:

@@ -24,13 +24,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ep import fp8 as _fp8
 from jax_ep import mesh as _mesh
-from jax_ep import reference as _ref
-from jax_ep.ops.dispatch import combine, dispatch
+from jax_ep.ops.dispatch import combine, dispatch, dispatch_fp8_rows
 from jax_ep.ops.overlap import dispatch_done, dispatch_start, ordered_after
 from jax_ep.ops.grouped_gemm import (Fp8Weights, fp8_weights as _fp8_weights, grouped_matmul,
                                      grouped_matmul_fp8, masked_grouped_matmul,
                                      masked_grouped_matmul_fp8, quantize_weights_fp8)
 from jax_ep.ops.low_latency import low_latency_combine, low_latency_dispatch
+from jax_ep.ops.mega_moe import mega_moe, swiglu
 from jax_ep.ops import regroup as _regroup
 
 SCORE_FNS = ("softmax", "sigmoid")
@@ -104,20 +104,6 @@ def route(logits: jax.Array, *, topk: int, score_fn: str = "softmax",
 
 
 # ------------------------------------------------------------ experts
-
-def swiglu(h13: jax.Array, dtype=None) -> jax.Array:
-  """silu(gate) * up of a fused gate/up product h13 [..., 2F] (gate the first
-  F columns, up the last F), in `dtype` (default h13's).
-
-  The upcast, the f32 math and the downcast are one expression, so XLA fuses
-  them into one elementwise pass that reads h13 and writes [..., F] in their
-  own dtypes: the f32 values never reach memory.
-  """
-  f = h13.shape[-1] // 2
-  gate = h13[..., :f].astype(jnp.float32)
-  up = h13[..., f:].astype(jnp.float32)
-  return (gate * jax.nn.sigmoid(gate) * up).astype(dtype or h13.dtype)
-
 
 def fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
   """The fused SwiGLU weight from its two halves: gate, up [..., H, F] ->
@@ -230,6 +216,7 @@ class _Cfg(NamedTuple):
   combine_layout: str = "expert"
   activation: str = "gelu"
   precision: str = "bf16"
+  fused: bool = False
 
 
 def _check_int(name: str, value, *, low: int = 1) -> None:
@@ -339,6 +326,10 @@ class MoE(nnx.Module):
       ffn and shared_ffn must be multiples of 128 and param_dtype float32 or
       bfloat16. On GPU the FP8 grouped GEMM kernels (grouped_matmul_fp8),
       elsewhere the same casts in pure JAX.
+    fused: the routed experts run as one `jax_ep.mega_moe` op (the same
+      outputs and gradients as the unfused FP8 path); needs
+      activation="swiglu", precision="fp8" and the "expert" combine layout.
+      Until the fused kernels land, mega_moe runs that unfused path.
     mesh, axis_name: experts are split over `axis_name`; tokens too.
     data_axis: a second mesh axis for data parallelism: tokens are split over
       (data_axis, axis_name) together, experts over `axis_name` and
@@ -396,7 +387,8 @@ class MoE(nnx.Module):
                topk_groups: Optional[int] = None, shared_ffn: Optional[int] = None,
                shared_gated: bool = False, fp8_dispatch: bool = False,
                overlap_shared: bool = False, combine_layout: Optional[str] = None,
-               activation: str = "gelu", precision: str = "bf16", rngs: nnx.Rngs):
+               activation: str = "gelu", precision: str = "bf16", fused: bool = False,
+               rngs: nnx.Rngs):
     _check_config(hidden=hidden, ffn=ffn, num_experts=num_experts, topk=topk, mesh=mesh,
                   axis_name=axis_name, data_axis=data_axis, score_fn=score_fn,
                   routed_scaling_factor=routed_scaling_factor, num_groups=num_groups,
@@ -416,10 +408,20 @@ class MoE(nnx.Module):
       raise ValueError("overlap_shared needs a shared expert (shared_ffn) and a bf16 dispatch "
                        "(fp8_dispatch=False, precision='bf16')")
     self.overlap_shared = bool(overlap_shared)
+    self_layout_given = combine_layout is not None
     if combine_layout is None:
       combine_layout = "rank" if mesh.shape[axis_name] > 1 else "expert"
     if combine_layout not in ("expert", "rank"):
       raise ValueError(f"combine_layout must be 'expert' or 'rank', got {combine_layout!r}")
+    if fused:
+      if activation != "swiglu" or precision != "fp8":
+        raise ValueError("fused=True runs SwiGLU experts in FP8 (jax_ep.mega_moe): it needs "
+                         "activation='swiglu' and precision='fp8'")
+      if combine_layout == "rank" and mesh.shape[axis_name] > 1 and self_layout_given:
+        raise ValueError("fused=True sends one row per (token, expert): combine_layout must "
+                         "be 'expert' (or None)")
+      combine_layout = "expert"
+    self.fused = bool(fused)
     self.combine_layout = combine_layout
     init = jax.nn.initializers.lecun_normal()
     expert_init = jax.nn.initializers.lecun_normal(in_axis=1, out_axis=2)
@@ -567,7 +569,7 @@ class MoE(nnx.Module):
   def _cfg(self) -> _Cfg:
     return _Cfg(self.num_experts, self.axis_name, self.expert_alignment, self.backend,
                 self.dtype, self.fp8_dispatch, self.overlap_shared, self.combine_layout,
-                self.activation, self.precision)
+                self.activation, self.precision, self.fused)
 
   def _weights_for_step(self, fp8_weights):
     routed, shared = self._expert_weights()
@@ -640,7 +642,12 @@ def _moe_shard(x, topk_idx, topk_weights, routed, shared, cached, *, cfg: _Cfg):
     kw["expert_alignment"] = cfg.expert_alignment
   dense = None
   rows_fp8 = None
-  if cfg.fp8:
+  if cfg.fused:
+    routed = mega_moe(x, topk_idx, topk_weights, w_in, w_out, num_experts=cfg.num_experts,
+                      axis_name=cfg.axis_name, expert_alignment=cfg.expert_alignment,
+                      w_fp8=None if c_routed[0] is None else c_routed, dtype=cfg.dtype,
+                      backend=cfg.backend)
+  elif cfg.fp8:
     out, rows_fp8 = _fp8_dispatch(x, topk_idx, topk_weights, cfg)
     if cfg.precision != "fp8":
       rows_fp8 = None  # the experts take the dequantised rows
@@ -653,7 +660,9 @@ def _moe_shard(x, topk_idx, topk_weights, routed, shared, cached, *, cfg: _Cfg):
     out = dispatch_done(pending, after=dense)
   else:
     out = dispatch(x, topk_idx, topk_weights, **kw)
-  if by_rank:
+  if cfg.fused:
+    pass
+  elif by_rank:
     g = _regroup.group_by_expert(out.recv_topk_idx, num_local_experts=_local_experts(w_in),
                                  expert_alignment=cfg.expert_alignment)
     if rows_fp8 is not None:
@@ -723,35 +732,9 @@ def _decode_shard(x, topk_idx, topk_weights, routed, shared, *, cfg: _Cfg):
   return (routed.astype(jnp.float32) + _shared(x, shared, cfg)).astype(cfg.dtype)
 
 
-# An FP8 dispatch alone passes no gradient to x (jax_ep.dispatch stops it:
-# FP8 payloads are forward-only), which would cut every layer below this one
-# off from the loss; the straight-through backward here sends the rows'
-# cotangents back as a bf16 dispatch's would.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_dispatch(x, topk_idx, topk_weights, cfg: _Cfg):
-  return _fp8_dispatch_fwd(x, topk_idx, topk_weights, cfg)[0]
-
-
-def _fp8_dispatch_fwd(x, topk_idx, topk_weights, cfg: _Cfg):
-  # Rows per (token, rank) or per (token, expert), as the combine wants;
-  # either way the backward below is that dispatch's exact bf16 transpose.
-  kw = (dict(layout="rank") if cfg.combine_layout == "rank" else
-        dict(layout="expert", expert_alignment=cfg.expert_alignment))
-  out = dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
-                 axis_name=cfg.axis_name, fp8=True, backend=cfg.backend, **kw)
-  q, scales = out.recv_x
-  # The FP8 rows come out too, for experts that take them as they are; the
-  # dequantised rows carry the gradient (and are dead code for those).
-  out = out._replace(recv_x=_fp8.dequantize(q, scales, cfg.dtype))
-  return (out, (q, scales)), out.handle
-
-
-def _fp8_dispatch_bwd(cfg: _Cfg, handle, cts):
-  ct = cts[0]
-  dx = combine(ct.recv_x.astype(cfg.dtype), handle, None, axis_name=cfg.axis_name,
-               backend=cfg.backend)
-  dw = _ref.return_row_weights(ct.recv_topk_weights, handle, cfg.axis_name)
-  return dx, None, dw
-
-
-_fp8_dispatch.defvjp(_fp8_dispatch_fwd, _fp8_dispatch_bwd)
+  # Rows per (token, rank) or per (token, expert), as the combine wants.
+  return dispatch_fp8_rows(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
+                           axis_name=cfg.axis_name, layout=cfg.combine_layout,
+                           expert_alignment=cfg.expert_alignment, dtype=cfg.dtype,
+                           backend=cfg.backend)

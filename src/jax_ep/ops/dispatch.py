@@ -13,6 +13,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_ep import fp8 as _fp8
 from jax_ep import reference as ref
 from jax_ep._checks import (check_positive, check_recv_sms, check_routing, check_sms, check_x,
                             is_fp8_pair, note_origin, origin_of, raise_if)
@@ -315,3 +316,59 @@ def _cached_rows(cfg: _Cfg, x, h: DispatchHandle):
 
 
 _combine_vjp.defvjp(_combine_fwd, _combine_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowsCfg:
+  num_experts: int
+  axis_name: str
+  layout: str
+  expert_alignment: int
+  dtype: Any
+  backend: Optional[str]
+
+
+def dispatch_fp8_rows(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *,
+                      num_experts: int, axis_name: str = "ep", layout: str = "expert",
+                      expert_alignment: int = 1, dtype=jnp.bfloat16,
+                      backend: Optional[str] = None) -> tuple[DispatchOutput, tuple]:
+  """An FP8 dispatch that FP8 experts can train through.
+
+  dispatch(fp8=True) alone passes no gradient to x (FP8 payloads are
+  forward-only), which would cut every layer below off from the loss. Here
+  the rows come out twice: dequantised to `dtype` in out.recv_x, carrying
+  the gradient, and as the FP8 pair (q, scales) the experts read (the
+  dequantised rows are then dead code). The backward is a straight-through
+  estimator: the rows' cotangents go back by the bf16 combine, the exact
+  transpose of a bf16 dispatch (the quantisation counts as the identity),
+  and the weights' cotangents as dispatch's own. x: [T, H], H a multiple
+  of 128. Returns (out, (q, scales)).
+  """
+  cfg = _RowsCfg(num_experts, axis_name, layout, int(expert_alignment), dtype, backend)
+  return _fp8_rows(x, topk_idx, topk_weights, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_rows(x, topk_idx, topk_weights, cfg: _RowsCfg):
+  return _fp8_rows_fwd(x, topk_idx, topk_weights, cfg)[0]
+
+
+def _fp8_rows_fwd(x, topk_idx, topk_weights, cfg: _RowsCfg):
+  kw = dict(layout="rank") if cfg.layout == "rank" else dict(
+      layout="expert", expert_alignment=cfg.expert_alignment)
+  out = dispatch(x, topk_idx, topk_weights, num_experts=cfg.num_experts,
+                 axis_name=cfg.axis_name, fp8=True, backend=cfg.backend, **kw)
+  q, scales = out.recv_x
+  out = out._replace(recv_x=_fp8.dequantize(q, scales, cfg.dtype))
+  return (out, (q, scales)), out.handle
+
+
+def _fp8_rows_bwd(cfg: _RowsCfg, handle, cts):
+  ct = cts[0]
+  dx = combine(ct.recv_x.astype(cfg.dtype), handle, None, axis_name=cfg.axis_name,
+               backend=cfg.backend)
+  dw = ref.return_row_weights(ct.recv_topk_weights, handle, cfg.axis_name)
+  return dx, None, dw
+
+
+_fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd)

@@ -152,9 +152,9 @@ def mega_moe(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, w13, w2
   _check(x, topk_idx, topk_weights, w13, w2, w_fp8, num_experts=num_experts,
          axis_name=axis_name)
   # The one choice: "cuda" raises the refusal; otherwise the unfused path,
-  # whose ops choose their kernels or the reference themselves.
+  # whose ops make the same choice for themselves from the same `backend`.
   _backend.choose(backend, op="mega_moe", axis_name=axis_name, refusal=KERNELS_MISSING)
-  sub = "reference" if backend == "reference" else None
+  sub = backend
   out, rows_fp8 = dispatch_fp8_rows(x, topk_idx, topk_weights, num_experts=num_experts,
                                     axis_name=axis_name, layout="expert",
                                     expert_alignment=expert_alignment, dtype=dtype, backend=sub)

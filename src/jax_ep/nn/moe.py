@@ -408,7 +408,7 @@ class MoE(nnx.Module):
       raise ValueError("overlap_shared needs a shared expert (shared_ffn) and a bf16 dispatch "
                        "(fp8_dispatch=False, precision='bf16')")
     self.overlap_shared = bool(overlap_shared)
-    self_layout_given = combine_layout is not None
+    layout_given = combine_layout is not None
     if combine_layout is None:
       combine_layout = "rank" if mesh.shape[axis_name] > 1 else "expert"
     if combine_layout not in ("expert", "rank"):
@@ -417,7 +417,7 @@ class MoE(nnx.Module):
       if activation != "swiglu" or precision != "fp8":
         raise ValueError("fused=True runs SwiGLU experts in FP8 (jax_ep.mega_moe): it needs "
                          "activation='swiglu' and precision='fp8'")
-      if combine_layout == "rank" and mesh.shape[axis_name] > 1 and self_layout_given:
+      if layout_given and combine_layout == "rank":
         raise ValueError("fused=True sends one row per (token, expert): combine_layout must "
                          "be 'expert' (or None)")
       combine_layout = "expert"
@@ -661,7 +661,7 @@ def _moe_shard(x, topk_idx, topk_weights, routed, shared, cached, *, cfg: _Cfg):
   else:
     out = dispatch(x, topk_idx, topk_weights, **kw)
   if cfg.fused:
-    pass
+    pass  # mega_moe above did the dispatch, the experts and the combine
   elif by_rank:
     g = _regroup.group_by_expert(out.recv_topk_idx, num_local_experts=_local_experts(w_in),
                                  expert_alignment=cfg.expert_alignment)

@@ -26,9 +26,9 @@ from jax_ep import fp8 as _fp8
 from jax_ep import mesh as _mesh
 from jax_ep.ops.dispatch import combine, dispatch, dispatch_fp8_rows
 from jax_ep.ops.overlap import dispatch_done, dispatch_start, ordered_after
-from jax_ep.ops.grouped_gemm import (Fp8Weights, fp8_weights as _fp8_weights, grouped_matmul,
-                                     grouped_matmul_fp8, masked_grouped_matmul,
-                                     masked_grouped_matmul_fp8, quantize_weights_fp8)
+from jax_ep.ops.grouped_gemm import (Fp8Weights, fp8_expert_matmul,
+                                     fp8_weights as _fp8_weights, grouped_matmul,
+                                     masked_grouped_matmul)
 from jax_ep.ops.low_latency import low_latency_combine, low_latency_dispatch
 from jax_ep.ops.mega_moe import mega_moe, swiglu
 from jax_ep.ops import regroup as _regroup
@@ -137,14 +137,8 @@ def expert_matmul(x: jax.Array, w, group_sizes: jax.Array, *, precision: str = "
   """
   be = "reference" if backend == "reference" else None
   if precision == "fp8":
-    if masked or isinstance(w, tuple):
-      # The forward product alone, from FP8 operands.
-      w = w if isinstance(w, tuple) else quantize_weights_fp8(w)
-      rows = x_fp8 if x_fp8 is not None else _fp8.quantize(x)
-      matmul = masked_grouped_matmul_fp8 if masked else grouped_matmul_fp8
-      out = matmul(rows, w, group_sizes, backend=be)
-    else:
-      out = grouped_matmul_fp8(x, w, group_sizes, x_fp8=x_fp8, w_fp8=w_fp8, backend=be)
+    out = fp8_expert_matmul(x, w, group_sizes, x_fp8=x_fp8, w_fp8=w_fp8, masked=masked,
+                            backend=be)
     return out.astype(out_dtype or x.dtype)
   matmul = masked_grouped_matmul if masked else grouped_matmul
   return matmul(x, w, group_sizes, out_dtype=out_dtype, backend=be)

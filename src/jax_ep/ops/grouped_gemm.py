@@ -510,3 +510,23 @@ def masked_grouped_matmul_fp8(x: tuple[Array, Array], w: tuple[Array, Array], co
   num_sms: as for grouped_matmul_fp8."""
   _check_fp8(x, w, counts, masked=True, backend=backend)
   return _fp8_product(*x, *w, counts, masked=True, backend=backend, num_sms=check_sms(num_sms))
+
+
+def fp8_expert_matmul(x: Array, w, group_sizes: Array, *,
+                      x_fp8: Optional[tuple[Array, Array]] = None,
+                      w_fp8: Optional[Fp8Weights] = None, masked: bool = False,
+                      backend: Optional[str] = None) -> Array:
+  """The FP8 expert product in the form its weights ask for; bf16 out.
+
+  Held blocks w = (wq, ws), or the decode grid (masked; master weights are
+  cast to blocks here): the forward product alone, of the FP8 rows x_fp8,
+  or of x cast per row and 128 channels. Master weights w [G, H, F]:
+  grouped_matmul_fp8's differentiable training form (x_fp8 the rows as
+  they arrived, w_fp8 the cached blocks).
+  """
+  if masked or isinstance(w, tuple):
+    w = w if isinstance(w, tuple) else quantize_weights_fp8(w)
+    rows = x_fp8 if x_fp8 is not None else fp8.quantize(x)
+    matmul = masked_grouped_matmul_fp8 if masked else grouped_matmul_fp8
+    return matmul(rows, w, group_sizes, backend=backend)
+  return grouped_matmul_fp8(x, w, group_sizes, x_fp8=x_fp8, w_fp8=w_fp8, backend=backend)

@@ -31,7 +31,7 @@ from jax_ep import reference as _ref
 from jax_ep._checks import check_routing, check_sms
 from jax_ep.ops import _backend
 from jax_ep.ops.dispatch import combine, dispatch_fp8_rows
-from jax_ep.ops.grouped_gemm import Fp8Weights, grouped_matmul_fp8
+from jax_ep.ops.grouped_gemm import Fp8Weights, fp8_expert_matmul
 
 KERNELS_MISSING = ("mega_moe: the fused kernels are not in this build yet; the automatic "
                    "choice runs the unfused FP8 path (dispatch(fp8=True) -> grouped_matmul_fp8 "
@@ -57,7 +57,7 @@ def _is_pair(w) -> bool:
   return isinstance(w, tuple) and len(w) == 2
 
 
-def _weight_dims(name: str, w, rows_axis: int) -> tuple[int, int, int]:
+def _weight_dims(name: str, w) -> tuple[int, int, int]:
   """(G, K, N) of a master weight [G, K, N] or a held FP8 pair (wq [G, N, K]
   e4m3, ws [G, K/128, N/128] f32); ValueError naming `name` otherwise."""
   if _is_pair(w):
@@ -98,8 +98,8 @@ def _check(x, topk_idx, topk_weights, w13, w2, w_fp8, *, num_experts: int,
   check_routing(topk_idx, topk_weights, num_tokens=t, num_experts=num_experts, num_ranks=ranks)
   if _is_pair(w13) != _is_pair(w2):
     raise ValueError("w13 and w2 must both be master weights or both held FP8 (wq, ws) pairs")
-  g, k1, n1 = _weight_dims("w13", w13, 1)
-  g2, k2, n2 = _weight_dims("w2", w2, 1)
+  g, k1, n1 = _weight_dims("w13", w13)
+  g2, k2, n2 = _weight_dims("w2", w2)
   if g * ranks != num_experts:
     raise ValueError(f"w13 holds {g} local experts; num_experts={num_experts} over {ranks} "
                      f"ranks needs {num_experts // ranks}")
@@ -148,25 +148,19 @@ def mega_moe(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, w13, w2
     [T, H] in dtype.
   """
   check_sms(num_sms)
-  _backend.check_backend(backend)
   _check(x, topk_idx, topk_weights, w13, w2, w_fp8, num_experts=num_experts,
          axis_name=axis_name)
   # The one choice: "cuda" raises the refusal; otherwise the unfused path,
   # whose ops make the same choice for themselves from the same `backend`.
   _backend.choose(backend, op="mega_moe", axis_name=axis_name, refusal=KERNELS_MISSING)
-  sub = backend
   out, rows_fp8 = dispatch_fp8_rows(x, topk_idx, topk_weights, num_experts=num_experts,
                                     axis_name=axis_name, layout="expert",
-                                    expert_alignment=expert_alignment, dtype=dtype, backend=sub)
+                                    expert_alignment=expert_alignment, dtype=dtype,
+                                    backend=backend)
   c13, c2 = w_fp8 if w_fp8 is not None else (None, None)
-  if _is_pair(w13):
-    h13 = grouped_matmul_fp8(rows_fp8, w13, out.counts, backend=sub)
-    h = swiglu(h13, dtype)
-    y = grouped_matmul_fp8(_fp8.quantize(h), w2, out.counts, backend=sub)
-  else:
-    h13 = grouped_matmul_fp8(out.recv_x, w13, out.counts, x_fp8=rows_fp8, w_fp8=c13,
-                             backend=sub)
-    h = swiglu(h13.astype(dtype), dtype)
-    y = grouped_matmul_fp8(h, w2, out.counts, w_fp8=c2, backend=sub)
+  h13 = fp8_expert_matmul(out.recv_x, w13, out.counts, x_fp8=rows_fp8, w_fp8=c13,
+                          backend=backend)
+  h = swiglu(h13.astype(dtype), dtype)
+  y = fp8_expert_matmul(h, w2, out.counts, w_fp8=c2, backend=backend)
   return combine(y.astype(dtype), out.handle, out.recv_topk_weights, axis_name=axis_name,
-                 backend=sub)
+                 backend=backend)

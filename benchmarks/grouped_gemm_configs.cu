@@ -8,7 +8,7 @@
 // the FP8 forward; CFG 20-25: FP8 weight-gradient schedules at the EP1 routed
 // shape (256 groups of ~128 tokens), each with a sampled value check.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DCFG=0 \
+//   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a --expt-relaxed-constexpr -DCFG=0 \
 //     -I ffi -I $CUTLASS/include -I $CUTLASS/tools/util/include \
 //     benchmarks/grouped_gemm_configs.cu -o /tmp/ggc0
 //   then run each binary on the GPU machine (benchmarks/RESULTS.md, session 6,

@@ -30,18 +30,10 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include "cuda_check.h"
 #include "kernels/grouped_gemm.cuh"
 
 namespace {
-
-#define CK(x)                                                                \
-  do {                                                                       \
-    cudaError_t e = (x);                                                     \
-    if (e != cudaSuccess) {                                                  \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                          \
-    }                                                                        \
-  } while (0)
 
 constexpr int kBM = 128, kBK = 128, kStages = 4, kThreads = 256;
 constexpr int kStageBytes = kBM * kBK;  // one A or B stage tile: 128 rows of 128 B

@@ -258,9 +258,12 @@ __global__ void FillScales(float* p, int64_t n, uint32_t seed, float base) {
 
 // One block per sample (row m, h block np): the 128 h values in float64 up
 // to the same bf16 roundings, then each against the kernel's dequantised FP8
-// value: |q * s - h| <= 0.07 |h| + 2^-9 s_ref counts as right (e4m3's
-// rounding is at most 2^-4 of a value and 2^-10 s near zero; the rest is
-// room for bf16 roundings that f32 and float64 sums may take apart).
+// value: |q * s - h| <= 0.07 |h| + 2^-12 amax counts as right. e4m3's
+// rounding is at most 2^-4 of a value; the absolute term is the FP8 tensor
+// cores' own: they add the products of a 128-deep K block in fewer bits
+// than f32 before the promotion (a first run with 2^-10 s there, s = amax /
+// 448, found 18 of 12288 small values up to 4.3 x that bound, ~2e-5 amax;
+// a wrong layout or scale is off by the order of amax).
 __global__ void Check(Args g, const int* sample_m, const int* sample_np, const int* sample_e,
                       int* bad, float* worst) {
   const int m = sample_m[blockIdx.x], np = sample_np[blockIdx.x], e = sample_e[blockIdx.x];
@@ -285,9 +288,8 @@ __global__ void Check(Args g, const int* sample_m, const int* sample_np, const i
     if (c < o) amax_s[c] = fmaxf(amax_s[c], amax_s[c + o]);
     __syncthreads();
   }
-  const float s_ref = fmaxf(amax_s[0], 1e-4f) / 448.f;
   const float got = DeqE4m3(g.hq[int64_t(m) * g.f + gc]) * g.hs[int64_t(m) * (g.f / 128) + np];
-  const float err = fabsf(got - h), lim = 0.07f * fabsf(h) + s_ref / 512.f;
+  const float err = fabsf(got - h), lim = 0.07f * fabsf(h) + amax_s[0] / 4096.f;
   if (err > lim) atomicAdd(bad, 1);
   atomicMax(reinterpret_cast<int*>(worst), __float_as_int(err / lim));
 }

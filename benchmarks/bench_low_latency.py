@@ -214,13 +214,11 @@ def ll_sms(shape: bench_normal.Shape) -> int:
   return max(1, min(sms, work))
 
 
-# What each impl ran, beside the record's `path` (both are "cuda"): the
-# names alone do not say that `jax_ep` is not the dedicated kernels.
+# What each impl ran, beside the record's `path` ("cuda" for all three).
 PATH_DETAIL = {
-    "jax_ep": "the composition over the normal kernels (backend=\"cuda\")",
-    "jax_ep_kernels": "the dedicated one-launch kernels, fused",
-    "jax_ep_kernels_split": "the dedicated kernels as *_start + *_done",
-    "jax_ep_kernels_checked": "the dedicated kernels, fused, on a checked Communicator",
+    "jax_ep": "the public ops, fused: the dedicated low-latency kernels",
+    "jax_ep_split": "the public ops as *_start + *_done",
+    "jax_ep_checked": "the public ops, fused, on a checked Communicator",
 }
 
 

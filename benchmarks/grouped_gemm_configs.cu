@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/grouped_gemm.cuh"
+#include "probe_timing.h"
 
 namespace {
 using namespace jax_ep;
@@ -179,15 +180,6 @@ const char* kWgName = "fp8 dw pingpong 128x128x128";
 constexpr bool kBKMajor = std::is_same_v<LB, Col>;
 constexpr bool kDColMajor = std::is_same_v<LD, Col>;
 
-#define CK(x)                                                                   \
-  do {                                                                          \
-    cudaError_t e = (x);                                                        \
-    if (e != cudaSuccess) {                                                     \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));    \
-      std::exit(1);                                                             \
-    }                                                                           \
-  } while (0)
-
 __global__ void Fill(Bf16* p, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -223,11 +215,6 @@ __global__ void Check(const Bf16* x, const Bf16* w, const Bf16* out, const int4*
                                  : float(out[int64_t(s.x) * F + s.w]);
     err[i] = fabsf(got - t) / (fabsf(t) + 1e-2f);
   }
-}
-
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 __global__ void FillF32(float* p, int64_t n, float v) {
@@ -301,21 +288,7 @@ int RunWgradFp8(int sms, cudaStream_t st) {
     CK(cudaMemcpy(probe, out + (kGroups / 2) * H * F + 5 * F + 3, sizeof(probe),
                   cudaMemcpyDeviceToHost));
     const float want = padded[kGroups / 2] * 0.5f / 64.f / 256.f;
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 2; ++i) launch();
-    std::vector<float> per_call;
-    for (int rep = 0; rep < 7; ++rep) {
-      CK(cudaEventRecord(e0, st));
-      for (int i = 0; i < 3; ++i) launch();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      per_call.push_back(ms / 3);
-    }
-    const float ms = Median(per_call);
+    const float ms = MedianMs(launch, st, 2, 3);
     const double out_bytes = double(kGroups) * H * F * sizeof(Bf16);
     std::printf("  H %5lld F %5lld  padded tokens %6d  %.3f ms  %6.1f TFLOP/s (padded)  "
                 "%5.2f TB/s of output  sample %.4g (want ~%.4g)%s\n",
@@ -384,21 +357,7 @@ int RunOther(Bf16* x, Bf16* w, Bf16* out, int32_t* sizes_d, const std::vector<in
     };
     launch();
     CK(cudaStreamSynchronize(st));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> per_call;
-    for (int rep = 0; rep < 7; ++rep) {
-      CK(cudaEventRecord(e0, st));
-      for (int i = 0; i < 10; ++i) launch();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      per_call.push_back(ms / 10);
-    }
-    const float ms = Median(per_call);
+    const float ms = MedianMs(launch, st, 3, 10);
     std::printf("  %-8s rows %6d  %.3f ms  %6.1f TFLOP/s (useful)\n",
                 pattern == 0 ? "uniform" : "routed", rows, ms, 2.0 * kRows * H * F / (ms * 1e-3) / 1e12);
     cudaFree(scratch);
@@ -507,22 +466,7 @@ int main() {
       cudaFree(samples_d);
       cudaFree(err_d);
 
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      for (int i = 0; i < 3; ++i) launch();
-      std::vector<float> per_call;
-      constexpr int kCalls = 10;
-      for (int rep = 0; rep < 7; ++rep) {
-        CK(cudaEventRecord(e0, st));
-        for (int i = 0; i < kCalls; ++i) launch();
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        per_call.push_back(ms / kCalls);
-      }
-      const float ms = Median(per_call);
+      const float ms = MedianMs(launch, st, 3, 10);
       const double tflops = 2.0 * kRows * H * F / (ms * 1e-3) / 1e12;
       std::printf("  %-8s raster %-6s rows %6d  %.3f ms  %6.1f TFLOP/s (useful)  max rel err %.2e%s\n",
                   pattern == 0 ? "uniform" : "routed", raster == 0 ? "AlongM" : "AlongN", rows, ms,

@@ -33,7 +33,7 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
-#include "cuda_check.h"
+#include "probe_timing.h"
 #include "kernels/grouped_gemm.cuh"
 
 namespace {
@@ -428,30 +428,6 @@ __global__ void Check(Args g, const int* sample_m, const int* sample_np, const i
   atomicMax(reinterpret_cast<int*>(worst), __float_as_int(err / lim));
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <class F>
-float TimeMs(F&& launch, cudaStream_t st) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 2; ++i) launch();
-  std::vector<float> per;
-  for (int rep = 0; rep < 7; ++rep) {
-    CK(cudaEventRecord(e0, st));
-    for (int i = 0; i < 5; ++i) launch();
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    per.push_back(ms / 5);
-  }
-  return Median(per);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -560,7 +536,7 @@ int main(int argc, char** argv) {
   };
   check("fused linear 1 v0", v0);
   check("fused linear 1 v1 (warp-specialised)", v1);
-  const float ms_v0 = TimeMs(v0, st), ms_v1 = TimeMs(v1, st);
+  const float ms_v0 = MedianMs(v0, st, 2, 5), ms_v1 = MedianMs(v1, st, 2, 5);
 
   // Baseline: the package's grouped FP8 forward on the same groups, rows
   // already gathered (contiguous [M, H]), bf16 [M, 2F] out.
@@ -593,7 +569,7 @@ int main(int argc, char** argv) {
       std::exit(1);
     }
   };
-  const float ms_gemm = TimeMs(unfused, st);
+  const float ms_gemm = MedianMs(unfused, st, 2, 5);
 
   const double flops = 2.0 * M * H * 2.0 * F;
   const double wbytes = double(E) * 2 * F * H;

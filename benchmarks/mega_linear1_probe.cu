@@ -9,8 +9,10 @@
 // its dispatch, SwiGLU and cast passes), and checked on sampled (row, 128
 // column) blocks against a float64 recomputation on the GPU.
 //
-// Two kernels: v0 loads with every thread and computes in lockstep; v1 is
-// warp-specialised (a producer warp and mbarrier stage handshakes).
+// Four kernels: v0 loads with every thread and computes in lockstep; v1 is
+// warp-specialised (a producer warp and mbarrier stage handshakes); v2 takes
+// the weights by TMA; v3 also runs tiles of at most 64 rows on one
+// warpgroup.
 //
 // The layout the kernel asks of w13 (made once, when the weights are cast):
 // [E, 2F, H] e4m3, K-major, its rows permuted so that each 128-row N tile
@@ -24,6 +26,7 @@
 //     benchmarks/mega_linear1_probe.cu -o /tmp/mega_linear1_probe
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -358,6 +361,128 @@ __global__ void __maxnreg__(224) FusedLinear1Ws(Args g) {
   CastStore(g, tile, np, r0, r1, lane, hkeep);
 }
 
+// v2 and v3: v1 with the weight tile brought by TMA (one lane issues one
+// 128 x 128-byte box per stage, the swizzle done by the copy engine), so the
+// producer warp's own copies are the gathered rows alone, half of v1's.
+// kHalfTail (v3): an M tile of at most 64 rows (an expert's last) runs on
+// the first consumer warpgroup alone and the producer gathers only its 64
+// rows; the tile still reads the whole weight tile, but the tensor cores do
+// half the work.
+__device__ __forceinline__ void MbarExpectTx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(b)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int x, int y,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+template <bool kHalfTail>
+__global__ void __maxnreg__(224) FusedLinear1Tma(Args g, const __grid_constant__ CUtensorMap wmap) {
+  extern __shared__ uint8_t raw[];
+  Smem& s = *reinterpret_cast<Smem*>(
+      (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t full[kStages], empty[kStages];
+  const MTile tile = g.tiles[blockIdx.y];
+  const int np = blockIdx.x;
+  const int tid = threadIdx.x, warp_id = tid / 32, lane = tid % 32;
+  const int kb_count = g.h / kBK, iters = 2 * kb_count;
+  const int64_t H = g.h;
+  const bool half = kHalfTail && tile.rows <= 64;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      MbarInit(&full[st], 33);  // 32 lanes' row copies + lane 0's expect_tx
+      MbarInit(&empty[st], half ? 128 : 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp_id == 8) {
+    const int row_groups = half ? 2 : 4;
+    int src[4];
+    for (int i = 0; i < 4; ++i) {
+      const int r = lane + 32 * i;
+      src[i] = r < tile.rows ? g.row_src[tile.row0 + r] : -1;
+    }
+    for (int n = 0; n < iters; ++n) {
+      const int st = n % kStages, t = n / kb_count, kb = n % kb_count;
+      if (n >= kStages) MbarWait(&empty[st], ((n / kStages) - 1) & 1);
+      if (lane == 0) {
+        MbarExpectTx(&full[st], kStageBytes);
+        const int wrow = int(int64_t(tile.expert) * 2 * g.f + 256 * np + 128 * t);
+        TmaLoad2d(&s.b[st][0], &wmap, kb * kBK, wrow, &full[st]);
+      }
+      for (int i = 0; i < row_groups; ++i) {
+        const int r = lane + 32 * i;
+        const bool v = src[i] >= 0;
+        const uint8_t* a = g.xq + (v ? src[i] : 0) * H + kb * kBK;
+        for (int c = 0; c < 8; ++c) CpAsync16(&s.a[st][Swz(r, c)], a + c * 16, v);
+        CpAsync4(&s.sa[st][r], g.xs + (v ? src[i] : 0) * (H / 128) + kb, v);
+      }
+      MbarArriveOnCopies(&full[st]);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  const int wg = tid / 128, warp = (tid % 128) / 32;
+  if (half && wg == 1) return;
+  const float* ws_e = g.ws + int64_t(tile.expert) * kb_count * (2 * g.f / 128);
+  const int gate_blk = np, up_blk = g.f / 128 + np;
+  const int r0 = 64 * wg + 16 * warp + lane / 4, r1 = r0 + 8;
+  __nv_bfloat162 hkeep[2][16];
+  for (int t = 0; t < 2; ++t) {
+    float fin[64];
+    for (int i = 0; i < 64; ++i) fin[i] = 0.f;
+    for (int kb = 0; kb < kb_count; ++kb) {
+      const int n = t * kb_count + kb, st = n % kStages;
+      MbarWait(&full[st], (n / kStages) & 1);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      float acc[64];
+      KBlockMma(Desc(&s.a[st][64 * wg * 128]), Desc(&s.b[st][0]), acc);
+      const float sa0 = s.sa[st][r0], sa1 = s.sa[st][r1];
+      MbarArrive(&empty[st]);
+      Promote(fin, acc, sa0, sa1, __ldg(ws_e + kb * (2 * g.f / 128) + gate_blk),
+              __ldg(ws_e + kb * (2 * g.f / 128) + up_blk));
+    }
+    SwigluTile(fin, hkeep, t);
+  }
+  CastStore(g, tile, np, r0, r1, lane, hkeep);
+}
+
+// The tensor map of the permuted w13 as a 2-D [E * 2F rows, H bytes] e4m3
+// array, one 128 x 128-byte box per stage, 128-byte swizzle (the layout
+// Desc() describes).
+CUtensorMap WeightMap(const uint8_t* w13, int64_t rows, int h) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode),
+                                      12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || encode == nullptr) {
+    std::printf("cuTensorMapEncodeTiled not found\n");
+    std::exit(1);
+  }
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {cuuint64_t(h), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(h)};
+  const cuuint32_t box[2] = {kBK, 128}, unit[2] = {1, 1};
+  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(w13), dims,
+                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed: %d\n", int(r));
+    std::exit(1);
+  }
+  return m;
+}
+
 // The permuted row of w13 that holds logical column c of the [H, 2F] product.
 __host__ __device__ int PermutedRow(int c, int f) {
   const bool up = c >= f;
@@ -488,9 +613,16 @@ int main(int argc, char** argv) {
   const size_t smem = sizeof(Smem) + 1024;
   CK(cudaFuncSetAttribute(FusedLinear1, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   CK(cudaFuncSetAttribute(FusedLinear1Ws, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CK(cudaFuncSetAttribute(FusedLinear1Tma<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          int(smem)));
+  CK(cudaFuncSetAttribute(FusedLinear1Tma<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          int(smem)));
+  const CUtensorMap wmap = WeightMap(w13, int64_t(E) * 2 * F, H);
   const dim3 grid(F / 128, unsigned(tiles.size()));
   auto v0 = [&]() { FusedLinear1<<<grid, kThreads, smem, st>>>(a); };
   auto v1 = [&]() { FusedLinear1Ws<<<grid, kThreadsWs, smem, st>>>(a); };
+  auto v2 = [&]() { FusedLinear1Tma<false><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
+  auto v3 = [&]() { FusedLinear1Tma<true><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
 
   // Sampled check: 96 (row, h block) pairs over experts, first and last rows
   // of groups included.
@@ -536,7 +668,10 @@ int main(int argc, char** argv) {
   };
   check("fused linear 1 v0", v0);
   check("fused linear 1 v1 (warp-specialised)", v1);
-  const float ms_v0 = MedianMs(v0, st, 2, 5), ms_v1 = MedianMs(v1, st, 2, 5);
+  check("fused linear 1 v2 (v1, weights by TMA)", v2);
+  check("fused linear 1 v3 (v2, tiles of <= 64 rows on one warpgroup)", v3);
+  const float ms_v[4] = {MedianMs(v0, st, 2, 5), MedianMs(v1, st, 2, 5), MedianMs(v2, st, 2, 5),
+                         MedianMs(v3, st, 2, 5)};
 
   // Baseline: the package's grouped FP8 forward on the same groups, rows
   // already gathered (contiguous [M, H]), bf16 [M, 2F] out.
@@ -575,11 +710,14 @@ int main(int argc, char** argv) {
   const double wbytes = double(E) * 2 * F * H;
   std::printf("E %d  M %d  M tiles %zu  grid %u x %u  smem %zu B\n", E, M, tiles.size(), grid.x,
               grid.y, smem);
-  for (int v = 0; v < 2; ++v) {
-    const float ms = v == 0 ? ms_v0 : ms_v1;
-    std::printf("fused linear 1 %s (gather + GEMM 1 + SwiGLU + FP8 cast): %.3f ms  %.0f TFLOP/s  "
-                "weights %.2f TB/s  ratio to GEMM 1 alone %.3f\n", v == 0 ? "v0" : "v1", ms,
-                flops / ms / 1e9, wbytes / ms / 1e9, ms / ms_gemm);
+  int half_tiles = 0;
+  for (const MTile& t : tiles) half_tiles += t.rows <= 64;
+  std::printf("M tiles of <= 64 rows: %d\n", half_tiles);
+  for (int v = 0; v < 4; ++v) {
+    const float ms = ms_v[v];
+    std::printf("fused linear 1 v%d (gather + GEMM 1 + SwiGLU + FP8 cast): %.3f ms  %.0f TFLOP/s  "
+                "weights %.2f TB/s  ratio to GEMM 1 alone %.3f\n", v, ms, flops / ms / 1e9,
+                wbytes / ms / 1e9, ms / ms_gemm);
   }
   std::printf("CUTLASS grouped FP8 GEMM 1 alone (rows pre-gathered, bf16 out): %.3f ms  %.0f "
               "TFLOP/s  weights %.2f TB/s\n", ms_gemm, flops / ms_gemm / 1e9,

@@ -5,7 +5,8 @@
 mirror that under-counts makes every dispatch fail with "window too small".
 This compares the two over shapes that exercise each term (ranks, tokens,
 hidden, top-k, experts, dtype bytes, FP8), and likewise the low-latency
-(low_latency.cuh) and Engram (engram_layout.h EngramWindow::need) mirrors."""
+(low_latency.cuh), Engram (engram_layout.h EngramWindow::need) and fused
+MoE (mega_layout.h MegaWindow) mirrors."""
 from __future__ import annotations
 
 import itertools
@@ -126,3 +127,25 @@ def test_the_test_harness_is_in_the_module_only_when_built_with_it():
   have = {n for n in names if hasattr(m, n)}
   assert have == (set(names) if _native.testing_built() else set()), have
   assert m.build_info["testing_built"] == _native.testing_built()
+
+
+@pytest.mark.parametrize("R,T,H,K,E", [
+    (1, 0, 128, 1, 8), (1, 4096, 7168, 8, 256), (2, 37, 2048, 6, 64), (4, 1, 128, 32, 1024),
+    (8, 4096, 7168, 8, 256), (8, 16384, 2048, 32, 1024),
+])
+@pytest.mark.parametrize("reserved", [0, 1, 4097, 12345, (1 << 28) + 3])
+def test_mega_moe_window_formula_equals_kernel_layout(R, T, H, K, E, reserved):
+  want = _native.module().mega_window_bytes(R, T, H, K, E, reserved)
+  got = _window.mega_moe_bytes(num_ranks=R, tokens_per_rank=T, hidden=H, topk=K,
+                               num_experts=E, reserved_bytes=reserved)
+  assert got == want, (R, T, H, K, E, reserved, got, want)
+
+
+def test_the_hint_with_mega_moe_covers_the_normal_ops_and_the_fused_area_above_them():
+  c = dict(num_ranks=8, tokens_per_rank=4096, hidden=7168, topk=8, num_experts=256)
+  normal = _window.normal_bytes(**c)
+  hint = _window.get_buffer_size_hint(**c, mega_moe=True)
+  assert hint % _window.GRANULE == 0
+  assert hint >= _window.mega_moe_bytes(**c, reserved_bytes=normal) > normal
+  # The combine slots [T, K, H] bf16 dominate the fused area.
+  assert _window.mega_moe_bytes(**c) >= 2 * 4096 * 8 * 7168

@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -21,6 +22,7 @@
 #include "kernels/engram_layout.h"
 #include "kernels/grouped_gemm.h"
 #include "kernels/low_latency.cuh"
+#include "kernels/mega_layout.h"
 #include "kernels/window_layout.h"
 
 namespace nb = nanobind;
@@ -349,6 +351,18 @@ void RegisterCudaBindings(nb::module_& m) {
       "Window bytes the low-latency kernels lay out (kernels/low_latency.cuh), with the "
       "staging area of GIN peers when `gin`; jax_ep._window.low_latency_bytes must agree "
       "with it.");
+
+  m.def(
+      "mega_window_bytes",
+      [](int R, int T, int H, int K, int E, int64_t reserved_bytes) {
+        const size_t base = std::max(static_cast<size_t>(reserved_bytes),
+                                     static_cast<size_t>(jax_ep::kWindowHeaderBytes));
+        return jax_ep::MegaWindow::At(base, R, T, H, K, E).end;
+      },
+      nb::arg("num_ranks"), nb::arg("tokens_per_rank"), nb::arg("hidden"), nb::arg("topk"),
+      nb::arg("num_experts"), nb::arg("reserved_bytes") = 0,
+      "Window bytes the fused MoE lays out (kernels/mega_layout.h) above `reserved_bytes`; "
+      "jax_ep._window.mega_moe_bytes must agree with it.");
 
   m.def(
       "window_bytes_needed",

@@ -21,7 +21,7 @@
 // needs no exchange. Two N tiles give one 128-column h block, whose amax the
 // cast needs; the first tile's h waits in registers as bf16.
 //
-//   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a --expt-relaxed-constexpr -I ffi \
+//   nvcc -std=c++17 -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I ffi \
 //     -I $CUTLASS/include -I $CUTLASS/tools/util/include \
 //     benchmarks/mega_linear1_probe.cu -o /tmp/mega_linear1_probe
 #include <cuda_bf16.h>
@@ -282,7 +282,21 @@ __device__ __forceinline__ void MbarWait(uint64_t* b, uint32_t parity) {
       : "memory");
 }
 
-constexpr int kThreadsWs = 288;  // two consumer warpgroups and one producer warp
+// Two consumer warpgroups and a producer warpgroup of which one warp works.
+// A 288-thread block at ~196 registers does not launch: warps are spread
+// over the SM's four 16K-register quarters, so one quarter holds three of
+// the nine warps (3 x 32 x 200 > 16384). With 384 threads the kernel is
+// built for 168 registers and setmaxnreg moves them: the producer
+// warpgroup drops to 80, the consumers rise to 216 (per quarter one
+// producer and two consumer warps: 32 x (80 + 2 x 216) = 16384). At 40 the
+// producer's gather loop spilled.
+constexpr int kThreadsWs = 384;
+__device__ __forceinline__ void ProducerRegs() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 80;\n" ::: "memory");
+}
+__device__ __forceinline__ void ConsumerRegs() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
+}
 
 // v1: warp-specialised. Warp 8 loads every stage (rows by source index, the
 // weight tile, the row scales) and signals it full; each consumer warpgroup
@@ -290,7 +304,7 @@ constexpr int kThreadsWs = 288;  // two consumer warpgroups and one producer war
 // so the two warpgroups drift apart and one's promotion overlaps the
 // other's MMAs. The producer runs through both N tiles without a pause, so
 // tile 1's first stages load during tile 0's SwiGLU.
-__global__ void __maxnreg__(224) FusedLinear1Ws(Args g) {
+__global__ void __launch_bounds__(kThreadsWs, 1) FusedLinear1Ws(Args g) {
   extern __shared__ uint8_t raw[];
   Smem& s = *reinterpret_cast<Smem*>(
       (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
@@ -308,7 +322,9 @@ __global__ void __maxnreg__(224) FusedLinear1Ws(Args g) {
   }
   __syncthreads();
 
-  if (warp_id == 8) {
+  if (warp_id >= 8) {
+    ProducerRegs();
+    if (warp_id != 8) return;
     // Lane l copies rows l + 32 i (all eight 16-byte chunks of each) of A
     // and B, and the scales of those rows.
     int src[4];
@@ -337,6 +353,7 @@ __global__ void __maxnreg__(224) FusedLinear1Ws(Args g) {
     return;
   }
 
+  ConsumerRegs();
   const int wg = tid / 128, warp = (tid % 128) / 32;
   const float* ws_e = g.ws + int64_t(tile.expert) * kb_count * (2 * g.f / 128);
   const int gate_blk = np, up_blk = g.f / 128 + np;
@@ -383,7 +400,7 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int
 }
 
 template <bool kHalfTail>
-__global__ void __maxnreg__(224) FusedLinear1Tma(Args g, const __grid_constant__ CUtensorMap wmap) {
+__global__ void __launch_bounds__(kThreadsWs, 1) FusedLinear1Tma(Args g, const __grid_constant__ CUtensorMap wmap) {
   extern __shared__ uint8_t raw[];
   Smem& s = *reinterpret_cast<Smem*>(
       (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
@@ -403,7 +420,9 @@ __global__ void __maxnreg__(224) FusedLinear1Tma(Args g, const __grid_constant__
   }
   __syncthreads();
 
-  if (warp_id == 8) {
+  if (warp_id >= 8) {
+    ProducerRegs();
+    if (warp_id != 8) return;
     const int row_groups = half ? 2 : 4;
     int src[4];
     for (int i = 0; i < 4; ++i) {
@@ -431,6 +450,7 @@ __global__ void __maxnreg__(224) FusedLinear1Tma(Args g, const __grid_constant__
     return;
   }
 
+  ConsumerRegs();
   const int wg = tid / 128, warp = (tid % 128) / 32;
   if (half && wg == 1) return;
   const float* ws_e = g.ws + int64_t(tile.expert) * kb_count * (2 * g.f / 128);

@@ -4,8 +4,10 @@ forwards, each next to its floor.
 
 Shape (docs/design.md §6): T = 4096 tokens/rank, H = 7168, w13 [E_l, 7168,
 4096], w2 [E_l, 2048, 7168], top-8 of 256, bf16 weights (the FP8 layer's
-master copies) over every GPU found. Every variant shares the same weight
-arrays; each is warmed up before any is timed. Impls (bench = moe_step,
+master copies) over every GPU found. Every variant shares the same bf16
+weight arrays; each is built, warmed up, timed and dropped in turn, so
+that one variant's FP8 blocks do not sit in memory through another's step
+(E_l = 256 on one GPU: 21 GiB of bf16 weights). Impls (bench = moe_step,
 activation = swiglu):
 
   jax_ep                 nn.MoE(precision="bf16"): forward + backward
@@ -170,17 +172,13 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
   g8, p8, rest8 = nnx.split(fp8, nnx.Param, ...)
   cast = jax.jit(lambda state: nnx.merge(nnx.graphdef(fp8), state).fp8_weights())
   state8 = nnx.state(fp8)
-  q = cast(state8)
-  runs = {}   # impl -> (fn, args, kind, precision)
-  if want("jax_ep"):
-    runs["jax_ep"] = (_loss_step(g16, cached=False), (p16, rest16, x, None), "step", "bf16")
-  if want("jax_ep_fp8"):
-    runs["jax_ep_fp8"] = (_loss_step(g8, cached=False), (p8, rest8, x, None), "step", "fp8")
-  if want("jax_ep_fp8_cached"):
-    runs["jax_ep_fp8_cached"] = (_loss_step(g8, cached=True), (p8, rest8, x, q), "step", "fp8")
-  if want("jax_ep_fp8_weight_cast"):
-    runs["jax_ep_fp8_weight_cast"] = (cast, (state8,), "cast", "fp8")
-  if want("jax_native_dense_a2a"):
+
+  # Each variant is built when its turn comes and dropped after it is
+  # timed, so only its own arrays sit beside the shared bf16 weights: at
+  # E_l = 256 the cached FP8 blocks (both orientations, half the bf16
+  # weights' bytes) and the held inference blocks would otherwise stay
+  # resident through every other variant's step.
+  def native_step():
     # The router is the layer's; the native layer routes with plain top-k
     # softmax as nn.MoE's default score_fn does.
     layer = functools.partial(native_swiglu_layer, shape=shape,
@@ -188,30 +186,43 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
     router = jax.device_put(jnp.broadcast_to(bf16.router[...], (r_count, *bf16.router.shape)),
                             NamedSharding(mesh, P("ep")))
     params = (router, bf16.w13[...], bf16.w2[...])
-    runs["jax_native_dense_a2a"] = (bm.make_step(layer, mesh), (params, x), "step", "bf16")
-  if want("jax_ep_inference"):
-    runs["jax_ep_inference"] = (_forward(nnx.graphdef(bf16)), (nnx.state(bf16), x), "forward",
-                                "bf16")
-  if want("jax_ep_fp8_inference"):
+    return bm.make_step(layer, mesh), (params, x)
+
+  def fp8_inference():
     held = _layer(shape, mesh, "fp8", backend=backend)
     _share_weights(held, bf16)
     held.to_fp8_inference()
-    runs["jax_ep_fp8_inference"] = (_forward(nnx.graphdef(held)), (nnx.state(held), x),
-                                    "forward", "fp8")
-  for impl, (fn, args, _, _) in list(runs.items()):
-    try:
-      jax.block_until_ready(fn(*args))
-    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
-      print(f"  {impl}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-      runs[impl] = (None, args, runs[impl][2], runs[impl][3])
+    return _forward(nnx.graphdef(held)), (nnx.state(held), x)
+
+  builders = {  # impl -> (build() -> (fn, args), kind, precision)
+      "jax_ep": (lambda: (_loss_step(g16, cached=False), (p16, rest16, x, None)), "step", "bf16"),
+      "jax_ep_fp8": (lambda: (_loss_step(g8, cached=False), (p8, rest8, x, None)), "step", "fp8"),
+      "jax_ep_fp8_cached": (lambda: (_loss_step(g8, cached=True), (p8, rest8, x, cast(state8))),
+                            "step", "fp8"),
+      "jax_ep_fp8_weight_cast": (lambda: (cast, (state8,)), "cast", "fp8"),
+      "jax_native_dense_a2a": (native_step, "step", "bf16"),
+      "jax_ep_inference": (lambda: (_forward(nnx.graphdef(bf16)), (nnx.state(bf16), x)),
+                           "forward", "bf16"),
+      "jax_ep_fp8_inference": (fp8_inference, "forward", "fp8"),
+  }
   rates = dense_rates(shape, quick)
   hbm = hbm_rate(quick)
   fwd = gemm_flops(shape)
   records, times = [], {}
-  for impl, (fn, args, kind, precision) in runs.items():
-    t = None if fn is None else bn.time_or_none(impl, fn, args, quick, max_iters=5)
+  for impl, (build, kind, precision) in builders.items():
+    if not want(impl):
+      continue
+    t = busy = parts = None
+    try:
+      fn, args = build()
+      jax.block_until_ready(fn(*args))
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"  {impl}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    else:
+      t = bn.time_or_none(impl, fn, args, quick, max_iters=5)
+      busy, parts = (None, None) if t is None or quick else kernel_parts(fn, args)
+    fn = args = None
     times[impl] = t
-    busy, parts = (None, None) if t is None or quick else kernel_parts(fn, args)
     wbytes = weight_bytes(shape, r_count, kind, precision)
     flops = {"step": 3 * fwd, "forward": fwd, "cast": 0.0}[kind]
     rate = rates.get(precision)

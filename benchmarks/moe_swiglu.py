@@ -7,7 +7,10 @@ Shape (docs/design.md §6): T = 4096 tokens/rank, H = 7168, w13 [E_l, 7168,
 master copies) over every GPU found. Every variant shares the same bf16
 weight arrays; each is built, warmed up, timed and dropped in turn, so
 that one variant's FP8 blocks do not sit in memory through another's step
-(E_l = 256 on one GPU: 21 GiB of bf16 weights). Impls (bench = moe_step,
+(E_l = 256 on one GPU: 21 GiB of bf16 weights; the FP8 step with the
+cast inside holds those, both FP8 orientations and the gradients, ~63 GiB,
+more than JAX's default 75 % of an 80 GB card: there run it with
+XLA_PYTHON_CLIENT_MEM_FRACTION=.95). Impls (bench = moe_step,
 activation = swiglu):
 
   jax_ep                 nn.MoE(precision="bf16"): forward + backward

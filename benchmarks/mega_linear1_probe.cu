@@ -287,15 +287,17 @@ __device__ __forceinline__ void MbarWait(uint64_t* b, uint32_t parity) {
 // over the SM's four 16K-register quarters, so one quarter holds three of
 // the nine warps (3 x 32 x 200 > 16384). With 384 threads the kernel is
 // built for 168 registers and setmaxnreg moves them: the producer
-// warpgroup drops to 80, the consumers rise to 216 (per quarter one
-// producer and two consumer warps: 32 x (80 + 2 x 216) = 16384). At 40 the
-// producer's gather loop spilled.
+// warpgroup drops to 80, the consumers rise to 208. setmaxnreg.inc only
+// takes what the block already holds, so per quarter (one producer and two
+// consumer warps) 80 + 2 x 208 = 496 must stay within 3 x 168 = 504 or the
+// consumers wait forever (216 hung); with the producer at 56 or 40 its
+// gather loop spills.
 constexpr int kThreadsWs = 384;
 __device__ __forceinline__ void ProducerRegs() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 80;\n" ::: "memory");
 }
 __device__ __forceinline__ void ConsumerRegs() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 208;\n" ::: "memory");
 }
 
 // v1: warp-specialised. Warp 8 loads every stage (rows by source index, the
@@ -579,6 +581,8 @@ int main(int argc, char** argv) {
   // docs/design.md §6 at EP1: T = 4096 tokens, top-8 of 256 local experts,
   // H = 7168, F = 2048 (w13 [E, 7168, 4096]).
   const int T = 4096, K = 8, E = argc > 1 ? std::atoi(argv[1]) : 256, H = 7168, F = 2048;
+  // Line-buffered: a run cut short by a timeout still shows the lines it got to.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const int M = T * K;
   cudaStream_t st;
   CK(cudaStreamCreate(&st));

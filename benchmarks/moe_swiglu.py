@@ -179,11 +179,7 @@ def run(shape: "bm.MoEShape", *, quick: bool, backend: Optional[str] = None,
   cast = jax.jit(lambda state: nnx.merge(nnx.graphdef(fp8), state).fp8_weights())
   state8 = nnx.state(fp8)
 
-  # Each variant is built when its turn comes and dropped after it is
-  # timed, so only its own arrays sit beside the shared bf16 weights: at
-  # E_l = 256 the cached FP8 blocks (both orientations, half the bf16
-  # weights' bytes) and the held inference blocks would otherwise stay
-  # resident through every other variant's step.
+  # Built when its turn comes, dropped once timed (module docstring: memory).
   def native_step():
     # The router is the layer's; the native layer routes with plain top-k
     # softmax as nn.MoE's default score_fn does.

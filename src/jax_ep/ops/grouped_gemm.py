@@ -123,8 +123,15 @@ _grouped_cuda.defvjp(_grouped_cuda_fwd, _grouped_cuda_bwd)
 # --- the reference path ----------------------------------------------------
 
 
+# The reference's products are exact f32 products also on a GPU, where
+# XLA's default precision would run f32 operands (the dequantised FP8 ones)
+# on TF32 tensor cores and move them by ~1e-3: more than the kernels it
+# checks differ from a float64 oracle.
+_EXACT = lax.Precision.HIGHEST
+
+
 def _ragged_reference(x, w, sizes, out_dtype):
-  return lax.ragged_dot(x, w, sizes.astype(jnp.int32),
+  return lax.ragged_dot(x, w, sizes.astype(jnp.int32), precision=_EXACT,
                         preferred_element_type=out_dtype).astype(out_dtype)
 
 
@@ -133,7 +140,7 @@ def _masked_reference(x, w, counts, out_dtype):
   rows = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :, None]
   valid = rows < jnp.clip(counts.astype(jnp.int32), 0, x.shape[1])[:, None, None]
   xm = jnp.where(valid, x, jnp.zeros((), x.dtype))
-  out = jnp.einsum("gsh,ghf->gsf", xm, w, preferred_element_type=jnp.float32)
+  out = jnp.einsum("gsh,ghf->gsf", xm, w, precision=_EXACT, preferred_element_type=jnp.float32)
   return jnp.where(valid, out, 0).astype(out_dtype)
 
 
@@ -385,8 +392,8 @@ def _fp8_wgrad(x, dy, sizes, *, backend, num_sms):
     xd, dd = deq(xq, xs), deq(dq, ds)
     g = psizes.shape[0]
     zero = jnp.zeros((g, xd.shape[1], dd.shape[1]), jnp.float32)
-    _, pull = jax.vjp(lambda w: lax.ragged_dot(xd, w, psizes, preferred_element_type=jnp.float32),
-                      zero)
+    _, pull = jax.vjp(lambda w: lax.ragged_dot(xd, w, psizes, precision=_EXACT,
+                                               preferred_element_type=jnp.float32), zero)
     return pull(dd)[0].astype(jnp.bfloat16)
 
   def kernel(xq, xs, dq, ds, psizes):

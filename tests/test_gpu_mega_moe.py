@@ -49,7 +49,16 @@ def test_mega_moe_on_the_fp8_kernels_is_within_fp8_rounding_of_the_oracle(mode):
   wv = np.where(idx >= 0, w, 0)
   want = np_mega_moe(x, idx, wv, w13, w2)
   cast_effect = _rel(want, np_mega_moe(x, idx, wv, w13, w2, casts=False))
-  assert _rel(got, want) < 0.1 * cast_effect, (_rel(got, want), cast_effect)
+  # Looser than the CPU reference's 0.1 (test_mega_moe.py). On the GPU two
+  # small differences reach the output through the chain of roundings after
+  # GEMM 1 (bf16, bf16, e4m3), where one flipped step of h moves it by 1/16:
+  # GEMM 1 on the FP8 tensor cores (norm-wise as close to the exact product
+  # as its bf16 rounding, but 5 % of its elements a bf16 step or more off)
+  # and XLA's SwiGLU and row cast on the GPU (the reference backend, with
+  # exact products, lands 0.20-0.24 of the casts' effect from the oracle
+  # there, 0.04 on the CPU). Measured on one H100: the kernels at 0.11 and
+  # 0.20 (random, skewed).
+  assert _rel(got, want) < 0.25 * cast_effect, (_rel(got, want), cast_effect)
 
 
 def test_backend_cuda_asks_for_the_fused_kernels_this_build_lacks():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_ep import _native
+from jax_ep import _native, _window
 from oracle import BF16, F32, FP8
 
 F16 = np.dtype(np.float16)
@@ -58,13 +58,20 @@ class Loopback:
     arrays = [{k: np.frombuffer(o[k], dtype=outputs[k][1]).reshape(outputs[k][0]) for k in o}
               for o in outs]
     if check and any(reports):
-      raise LoopbackError("; ".join(r for r in reports if r) + "\n" + self.describe())
+      raise LoopbackError("; ".join(r for r in reports if r) + "\n" +
+                          self.describe(per_rank[0] if op == "dispatch" else None))
     return arrays, reports
 
-  def describe(self) -> str:
+  def describe(self, dispatch: dict | None = None) -> str:
     """Each rank's barrier epoch, the barrier flags in its window and its
-    non-zero chunk counters (window_layout.h): where a wait stopped."""
+    non-zero chunk counters (window_layout.h): where a wait stopped. After a
+    dispatch (its scalars), also each rank's agreed words (kOk, kSendOk),
+    the tokens it sends to each rank and the rows it expects from each."""
     lines, chunks_per_source = [], self._m.chunks_per_source  # window_layout.h
+    if dispatch is not None:
+      R, E = self.R, dispatch["num_experts"]
+      off, n = _window.dispatch_scratch(num_ranks=R, num_experts=E)
+      sends, recvs = 16, 16 + R + E + R + 1  # DispatchScratch: tokens_per_rank, recv_counts
     for r in range(self.R):
       epoch = int(np.frombuffer(self._m.loopback_peek(self.id, r, "counters", 0, 8), np.uint64)[0])
       flags = np.frombuffer(self._m.loopback_peek(self.id, r, "window", 0, 8 * self.R), np.uint64)
@@ -74,6 +81,11 @@ class Loopback:
       chunks = {s: [(int(c), int(cc[s, c])) for c in np.nonzero(cc[s])[0][:6]] for s in range(self.R)}
       lines.append(f"rank {r}: epoch {epoch}, barrier flags {[hex(int(f)) for f in flags]}, "
                    f"chunk counters (source: [(chunk, count)]) {chunks}")
+      if dispatch is not None:
+        sc = np.frombuffer(self._m.loopback_peek(self.id, r, "window", off, 4 * n), np.int32)
+        lines.append(f"  dispatch scratch: ok {sc[0]}, bad ids {sc[2]}, send ok {sc[3]}, "
+                     f"tokens to each rank {sc[sends:sends + R].tolist()}, "
+                     f"rows from each rank {sc[recvs:recvs + R].tolist()}")
     return "\n".join(lines)
 
   def dispatch(self, payload: tuple, idx, w, *, E: int, C: int, layout: str, align: int = 1,

@@ -402,6 +402,12 @@ std::pair<std::vector<nb::dict>, std::vector<std::string>> Run(Loopback& lb, con
     n.CheckAllUsed();
     if (!msg.empty()) throw std::invalid_argument("jax_ep loopback " + op + " on rank " + std::to_string(r) + ": " + msg);
   }
+  // The uploads (a pageable cudaMemcpy may return before its copy lands) and
+  // the 0xA5 output fills (cudaMemset returns at once) went to the legacy
+  // default stream, which the ranks' non-blocking streams do not wait for:
+  // a fill landing after the prep kernel wrote pos_in_rank made that rank
+  // send its peers nothing (seen with three test processes on one GPU).
+  Check(cudaDeviceSynchronize(), "uploads and output fills before the launches");
   // Rank by rank, each op whole (an Engram publish and then its fetch, as
   // the fused handler does): every kernel was loaded in Init, so rank 0's
   // waiting kernels never hold up the launch of rank 1's.

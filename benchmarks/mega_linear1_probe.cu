@@ -9,10 +9,10 @@
 // its dispatch, SwiGLU and cast passes), and checked on sampled (row, 128
 // column) blocks against a float64 recomputation on the GPU.
 //
-// Four kernels: v0 loads with every thread and computes in lockstep; v1 is
+// Five kernels: v0 loads with every thread and computes in lockstep; v1 is
 // warp-specialised (a producer warp and mbarrier stage handshakes); v2 takes
 // the weights by TMA; v3 also runs tiles of at most 64 rows on one
-// warpgroup.
+// warpgroup; v4 is v3 with every warp of the producer warpgroup gathering.
 //
 // The layout the kernel asks of w13 (made once, when the weights are cast):
 // [E, 2F, H] e4m3, K-major, its rows permuted so that each 128-row N tile
@@ -401,7 +401,10 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int
       : "memory");
 }
 
-template <bool kHalfTail>
+// kAllWarps (v4): every warp of the producer warpgroup gathers, one 32-row
+// group each, instead of warp 8 alone issuing all of them: v1-v3 measured
+// that one warp's cp.async issue rate cannot feed two consumer warpgroups.
+template <bool kHalfTail, bool kAllWarps = false>
 __global__ void __launch_bounds__(kThreadsWs, 1) FusedLinear1Tma(Args g, const __grid_constant__ CUtensorMap wmap) {
   extern __shared__ uint8_t raw[];
   Smem& s = *reinterpret_cast<Smem*>(
@@ -415,7 +418,8 @@ __global__ void __launch_bounds__(kThreadsWs, 1) FusedLinear1Tma(Args g, const _
   const bool half = kHalfTail && tile.rows <= 64;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      MbarInit(&full[st], 33);  // 32 lanes' row copies + lane 0's expect_tx
+      // Each gathering lane's row copies + lane 0's expect_tx.
+      MbarInit(&full[st], 32 * (kAllWarps ? (half ? 2 : 4) : 1) + 1);
       MbarInit(&empty[st], half ? 128 : 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -424,8 +428,11 @@ __global__ void __launch_bounds__(kThreadsWs, 1) FusedLinear1Tma(Args g, const _
 
   if (warp_id >= 8) {
     ProducerRegs();
-    if (warp_id != 8) return;
+    const int pw = warp_id - 8;
     const int row_groups = half ? 2 : 4;
+    if (kAllWarps ? pw >= row_groups : pw != 0) return;
+    // This warp's row groups: all of them (v2, v3) or its own one (v4).
+    const int g0 = kAllWarps ? pw : 0, g1 = kAllWarps ? pw + 1 : row_groups;
     int src[4];
     for (int i = 0; i < 4; ++i) {
       const int r = lane + 32 * i;
@@ -434,12 +441,12 @@ __global__ void __launch_bounds__(kThreadsWs, 1) FusedLinear1Tma(Args g, const _
     for (int n = 0; n < iters; ++n) {
       const int st = n % kStages, t = n / kb_count, kb = n % kb_count;
       if (n >= kStages) MbarWait(&empty[st], ((n / kStages) - 1) & 1);
-      if (lane == 0) {
+      if (pw == 0 && lane == 0) {
         MbarExpectTx(&full[st], kStageBytes);
         const int wrow = int(int64_t(tile.expert) * 2 * g.f + 256 * np + 128 * t);
         TmaLoad2d(&s.b[st][0], &wmap, kb * kBK, wrow, &full[st]);
       }
-      for (int i = 0; i < row_groups; ++i) {
+      for (int i = g0; i < g1; ++i) {
         const int r = lane + 32 * i;
         const bool v = src[i] >= 0;
         const uint8_t* a = g.xq + (v ? src[i] : 0) * H + kb * kBK;
@@ -641,12 +648,15 @@ int main(int argc, char** argv) {
                           int(smem)));
   CK(cudaFuncSetAttribute(FusedLinear1Tma<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           int(smem)));
+  CK(cudaFuncSetAttribute(FusedLinear1Tma<true, true>,
+                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const CUtensorMap wmap = WeightMap(w13, int64_t(E) * 2 * F, H);
   const dim3 grid(F / 128, unsigned(tiles.size()));
   auto v0 = [&]() { FusedLinear1<<<grid, kThreads, smem, st>>>(a); };
   auto v1 = [&]() { FusedLinear1Ws<<<grid, kThreadsWs, smem, st>>>(a); };
   auto v2 = [&]() { FusedLinear1Tma<false><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
   auto v3 = [&]() { FusedLinear1Tma<true><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
+  auto v4 = [&]() { FusedLinear1Tma<true, true><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
 
   // Sampled check: 96 (row, h block) pairs over experts, first and last rows
   // of groups included.
@@ -694,8 +704,9 @@ int main(int argc, char** argv) {
   check("fused linear 1 v1 (warp-specialised)", v1);
   check("fused linear 1 v2 (v1, weights by TMA)", v2);
   check("fused linear 1 v3 (v2, tiles of <= 64 rows on one warpgroup)", v3);
-  const float ms_v[4] = {MedianMs(v0, st, 2, 5), MedianMs(v1, st, 2, 5), MedianMs(v2, st, 2, 5),
-                         MedianMs(v3, st, 2, 5)};
+  check("fused linear 1 v4 (v3, every producer warp gathers)", v4);
+  const float ms_v[5] = {MedianMs(v0, st, 2, 5), MedianMs(v1, st, 2, 5), MedianMs(v2, st, 2, 5),
+                         MedianMs(v3, st, 2, 5), MedianMs(v4, st, 2, 5)};
 
   // Baseline: the package's grouped FP8 forward on the same groups, rows
   // already gathered (contiguous [M, H]), bf16 [M, 2F] out.
@@ -737,7 +748,7 @@ int main(int argc, char** argv) {
   int half_tiles = 0;
   for (const MTile& t : tiles) half_tiles += t.rows <= 64;
   std::printf("M tiles of <= 64 rows: %d\n", half_tiles);
-  for (int v = 0; v < 4; ++v) {
+  for (int v = 0; v < 5; ++v) {
     const float ms = ms_v[v];
     std::printf("fused linear 1 v%d (gather + GEMM 1 + SwiGLU + FP8 cast): %.3f ms  %.0f TFLOP/s  "
                 "weights %.2f TB/s  ratio to GEMM 1 alone %.3f\n", v, ms, flops / ms / 1e9,

@@ -18,6 +18,10 @@ _DTYPE_CODE = {BF16: 0, F16: 1, F32: 2, FP8: 3}  # ffi/kernels/ep_kernels.h EpDt
 _LAYOUT_CODE = {"rank": 0, "expert": 1}
 
 
+# What the harness fills every output with before a call (loopback.cc Out).
+_FILL_I32 = np.int32(np.uint32(0xA5A5A5A5).view(np.int32))
+
+
 class LoopbackError(RuntimeError):
   """A kernel reported an error on some virtual rank (status word)."""
 
@@ -58,8 +62,13 @@ class Loopback:
     arrays = [{k: np.frombuffer(o[k], dtype=outputs[k][1]).reshape(outputs[k][0]) for k in o}
               for o in outs]
     if check and any(reports):
+      extra = ""
+      if op == "dispatch":  # outputs a rank's kernels never wrote keep the 0xA5 fill
+        unset = [int(np.sum(a["pos_in_rank"] == _FILL_I32)) if "pos_in_rank" in a else None
+                 for a in arrays]
+        extra = f"\npos_in_rank entries still at the output fill, per rank: {unset}"
       raise LoopbackError("; ".join(r for r in reports if r) + "\n" +
-                          self.describe(per_rank[0] if op == "dispatch" else None))
+                          self.describe(per_rank[0] if op == "dispatch" else None) + extra)
     return arrays, reports
 
   def describe(self, dispatch: dict | None = None) -> str:

@@ -52,15 +52,23 @@ def normal_bytes(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int
              _combine_end(num_ranks, tokens_per_rank, hidden, topk, y_bytes))
 
 
-def dispatch_scratch(*, num_ranks: int, num_experts: int) -> tuple[int, int]:
-  """(offset, i32 count) of a dispatch's scratch words in the window
-  (window_layout.h DispatchWindow.scratch_off, DispatchScratch)."""
+def dispatch_scratch(*, num_ranks: int, num_experts: int) -> tuple[int, dict]:
+  """(offset in the window, {field: first i32 index, "count": i32 total}) of
+  a dispatch's scratch words (window_layout.h DispatchWindow.scratch_off,
+  DispatchScratch: its fixed slots, then its arrays in this order)."""
   r, e = num_ranks, num_experts
   e_l = e // r
   counts = _align16(_OP_AREA + 8 * r)
   counts_out = _align16(counts + 8 * r * (2 + e_l))  # GIN peers' staged counts
-  return (_align16(counts_out + 8 * r * (2 + e_l)),
-          16 + r + e + (r + 1) + r + (e_l + 1) + e_l + e_l * r)
+  fields = {"ok": 0, "bad_ids": 2, "send_ok": 3}
+  i = 16
+  for name, n in (("tokens_per_rank", r), ("entries_per_expert", e), ("prefix", r + 1),
+                  ("recv_counts", r), ("group_off", e_l + 1), ("group_size", e_l),
+                  ("src_off", e_l * r)):
+    fields[name] = i
+    i += n
+  fields["count"] = i
+  return _align16(counts_out + 8 * r * (2 + e_l)), fields
 
 
 def dispatch_end(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int,
@@ -68,8 +76,8 @@ def dispatch_end(*, num_ranks: int, tokens_per_rank: int, hidden: int, topk: int
   """End of the bytes a dispatch alone writes (window_layout.h
   DispatchWindow); Engram publications there go stale at each dispatch."""
   r, t, h, k = num_ranks, tokens_per_rank, hidden, topk
-  scratch, scratch_ints = dispatch_scratch(num_ranks=r, num_experts=num_experts)
-  rie = _align16(scratch + 4 * scratch_ints)
+  scratch, fields = dispatch_scratch(num_ranks=r, num_experts=num_experts)
+  rie = _align16(scratch + 4 * fields["count"])
   recv = _align16(rie + 4 * t * k)
   payload = h * (1 if fp8 else x_bytes)
   scales_off = _align16(payload)

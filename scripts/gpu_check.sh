@@ -23,7 +23,7 @@
 #   CUTLASS headers: the pinned nvidia-cutlass wheel, installed from .whl/
 #   when the machine has no cutlass_library (the GPU machine is offline).
 #
-# $OUT receives summary.txt, junit.xml, logs.tar.gz, bench.tar.gz, the
+# $OUT receives summary.txt, junit.xml, logs/, bench.tar.gz, the
 # profile's profile_normal.json and
 # results/: each benchmark's run file (results/<bench>/<date>_<commit>_<n>.json,
 # copied as each benchmark ends) and the test record made from junit.xml
@@ -31,7 +31,9 @@
 # into benchmarks/results/ to keep them (cp -rn: a run never replaces another).
 # The device call's limit counts the machine's start and the build (~85 s
 # on a cold machine): keep an outer `timeout` ~120 s under that limit, or a
-# SIGKILL leaves only what was copied so far. Exit status is non-zero if
+# SIGKILL leaves only what was copied so far: logs/ is written in place (a
+# line per test in logs/pytest_<group>.log as it ends), so even a run killed
+# by the device's budget says which tests had passed. Exit status is non-zero if
 # the build, the version check, any test or any benchmark failed.
 set -u -o pipefail
 
@@ -39,7 +41,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d /tmp/jax_ep_gpu_check.XXXXXX)}
 mkdir -p "$OUT"
-LOGS=$(mktemp -d /tmp/jax_ep_logs.XXXXXX)
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
 BENCH=$(mktemp -d /tmp/jax_ep_bench.XXXXXX)
 
 # Never NVLink multicast (NVLS): not available / not wanted on these machines.
@@ -54,8 +57,7 @@ build="FAIL"; build_ok=no; versions="FAIL"; tests="not run"; bench_failed=""; be
 # (timeout's TERM) cuts the run short: what ran still comes back.
 finish() {
 trap - EXIT TERM INT
-# Pack: logs and benchmark outputs as two archives; the run files also loose.
-tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+# Pack the benchmark outputs; the run files also loose. The logs are in $OUT already.
 if [ -n "$(ls -A "$BENCH")" ]; then
   tar -czf "$OUT/bench.tar.gz" -C "$BENCH" .
   keep_records
@@ -100,7 +102,7 @@ PYEOF
   echo "outputs in $OUT; exit status $status"
 } | tee "$OUT/summary.txt"
 
-rm -rf "$LOGS" "$BENCH"
+rm -rf "$BENCH"
 exit $status
 }
 trap 'status=1; build="${build} (run cut short by a signal)"; finish' TERM INT
@@ -209,7 +211,7 @@ elif [ "$build_ok" = ok ]; then
   pids=()
   for i in "${!groups[@]}"; do
     # shellcheck disable=SC2086
-    XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -q ${groups[$i]} \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu ${GPU_CHECK_PYTEST_ARGS--x} -v ${groups[$i]} \
         --junitxml="$LOGS/junit_$i.xml" >"$LOGS/pytest_$i.log" 2>&1 &
     pids+=($!)
   done

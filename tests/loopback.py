@@ -79,8 +79,8 @@ class Loopback:
     lines, chunks_per_source = [], self._m.chunks_per_source  # window_layout.h
     if dispatch is not None:
       R, E = self.R, dispatch["num_experts"]
-      off, f = _window.dispatch_scratch(num_ranks=R, num_experts=E)
-      sends, recvs = f["tokens_per_rank"], f["recv_counts"]
+      off, fields = _window.dispatch_scratch(num_ranks=R, num_experts=E)
+      sends, recvs = fields["tokens_per_rank"], fields["recv_counts"]
     for r in range(self.R):
       epoch = int(np.frombuffer(self._m.loopback_peek(self.id, r, "counters", 0, 8), np.uint64)[0])
       flags = np.frombuffer(self._m.loopback_peek(self.id, r, "window", 0, 8 * self.R), np.uint64)
@@ -91,10 +91,10 @@ class Loopback:
       lines.append(f"rank {r}: epoch {epoch}, barrier flags {[hex(int(f)) for f in flags]}, "
                    f"chunk counters (source: [(chunk, count)]) {chunks}")
       if dispatch is not None:
-        sc = np.frombuffer(self._m.loopback_peek(self.id, r, "window", off, 4 * f["count"]),
+        sc = np.frombuffer(self._m.loopback_peek(self.id, r, "window", off, 4 * fields["count"]),
                            np.int32)
-        lines.append(f"  dispatch scratch: ok {sc[f['ok']]}, bad ids {sc[f['bad_ids']]}, "
-                     f"send ok {sc[f['send_ok']]}, "
+        lines.append(f"  dispatch scratch: ok {sc[fields['ok']]}, bad ids {sc[fields['bad_ids']]}, "
+                     f"send ok {sc[fields['send_ok']]}, "
                      f"tokens to each rank {sc[sends:sends + R].tolist()}, "
                      f"rows from each rank {sc[recvs:recvs + R].tolist()}")
     return "\n".join(lines)

@@ -125,10 +125,10 @@ using Other = WGradOf<Sched<_128, _256, _64, _1, _1>>; constexpr GgKind kOther =
 const char* kOtherName = "dw coop 128x256x64 c1x1";
 #elif CFG == 14
 using Other = Fp8Of<Fp8Sched<_128, _128, _128, _1, _2>>; constexpr GgKind kOther = GgKind::kForwardFp8;
-const char* kOtherName = "fp8 128x128x128 c1x2 (current)";
+const char* kOtherName = "fp8 128x128x128 c1x2";
 #elif CFG == 15
 using Other = Fp8Of<Fp8Sched<_128, _128, _128, _1, _1>>; constexpr GgKind kOther = GgKind::kForwardFp8;
-const char* kOtherName = "fp8 128x128x128 c1x1";
+const char* kOtherName = "fp8 128x128x128 c1x1 (current)";
 #elif CFG == 16
 // (N = 256 tiles do not build with 128-wide scale blocks along N in CUTLASS
 // 4.2: "Accumulator and scaleB must have same shape".)
@@ -306,6 +306,71 @@ int RunWgradFp8(int sms, cudaStream_t st) {
   return 0;
 }
 #elif CFG >= 10
+// The FP8 forward at the fused MoE's linear 1 at EP1 (docs/mega_moe.md): 4096
+// tokens to top-8 of 256 experts (~128 rows each, aligned to 8 as the op
+// does), w13 [256, 7168, 4096] e4m3 (7.5 GB), so each expert's weights are
+// read once per M tile. mega_linear1_probe times the same shape.
+void RunLinear1Ep1(Bf16* x, Bf16* out, int sms, cudaStream_t st) {
+  constexpr int64_t H = 7168, N = 4096;
+  constexpr int kGroups = 256, kTokens = 4096, kTopk = 8;
+  std::mt19937 rng(5);
+  std::vector<int> sizes(kGroups, 0);
+  for (int t = 0; t < kTokens; ++t) {
+    std::vector<int> picked;
+    while (int(picked.size()) < kTopk) {
+      const int e = int(rng() % kGroups);
+      if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+    }
+    for (int e : picked) sizes[e]++;
+  }
+  int rows = 0;
+  for (int& v : sizes) rows += (v = (v + 7) / 8 * 8);
+  uint8_t* w8;
+  float *xs, *ws;
+  int32_t* sizes_d;
+  CK(cudaMalloc(&w8, kGroups * H * N));
+  CK(cudaMalloc(&xs, sizeof(float) * rows * (H / 128)));
+  CK(cudaMalloc(&ws, sizeof(float) * kGroups * (H / 128) * (N / 128)));
+  CK(cudaMalloc(&sizes_d, sizeof(int32_t) * kGroups));
+  // bf16 bytes read as e4m3, as the other patterns do.
+  Fill<<<1024, 256, 0, st>>>(reinterpret_cast<Bf16*>(w8), kGroups * H * N / 2, 3u, 0.05f);
+  FillF32<<<256, 256, 0, st>>>(xs, rows * (H / 128), 1.f / 64);
+  FillF32<<<256, 256, 0, st>>>(ws, kGroups * (H / 128) * (N / 128), 1.f / 256);
+  CK(cudaMemcpyAsync(sizes_d, sizes.data(), sizeof(int32_t) * kGroups, cudaMemcpyHostToDevice,
+                     st));
+  GroupedGemmArgs args;
+  args.kind = GgKind::kForwardFp8;
+  args.a = x;
+  args.b = w8;
+  args.a_scales = xs;
+  args.b_scales = ws;
+  args.out = out;
+  args.group_sizes = sizes_d;
+  args.num_groups = kGroups;
+  args.rows = rows;
+  args.h = H;
+  args.f = N;
+  void* scratch;
+  CK(cudaMalloc(&scratch, gg::ScratchBytes<Other>(args, sms) + 256));
+  auto launch = [&]() {
+    if (const char* e = gg::Run<Other, kOther>(args, scratch, sms, st)) {
+      std::printf("run failed: %s\n", e);
+      std::exit(1);
+    }
+  };
+  launch();
+  CK(cudaStreamSynchronize(st));
+  const float ms = MedianMs(launch, st, 2, 5);
+  std::printf("  linear 1 at EP1 (256 groups, rows %d, N %lld)  %.3f ms  %6.1f TFLOP/s  "
+              "weights %.2f TB/s\n", rows, static_cast<long long>(N), ms,
+              2.0 * rows * H * N / (ms * 1e-3) / 1e12, double(kGroups) * H * N / (ms * 1e-3) / 1e12);
+  cudaFree(scratch);
+  cudaFree(w8);
+  cudaFree(xs);
+  cudaFree(ws);
+  cudaFree(sizes_d);
+}
+
 // dx, dw and FP8 forward through gg::Run: prep, fills and the grouped kernel,
 // as the op launches them. Operands reuse the bf16 buffers (FP8 reads their
 // bytes as e4m3; the odd NaN code among them does not change the timing).
@@ -362,6 +427,7 @@ int RunOther(Bf16* x, Bf16* w, Bf16* out, int32_t* sizes_d, const std::vector<in
                 pattern == 0 ? "uniform" : "routed", rows, ms, 2.0 * kRows * H * F / (ms * 1e-3) / 1e12);
     cudaFree(scratch);
   }
+  if constexpr (kOther == GgKind::kForwardFp8) RunLinear1Ep1(x, out, sms, st);
   return 0;
 }
 #endif

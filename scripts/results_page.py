@@ -233,6 +233,13 @@ HEADLINES = [
      "grouped_gemm", lambda r: r.get("impl") == "jax_ep_fp8_dgrad", GG_COLS),
     ("FP8 casts of the grouped GEMM's training path (one GPU)",
      "grouped_gemm", lambda r: r.get("mode") == "cast", GG_COLS + ["hbm_gbps"]),
+    ("Fused linear 1 of Mega MoE at EP1 (probe, one GPU): variants, v0 taken apart, against "
+     "the CUTLASS GEMM 1 alone", "grouped_gemm",
+     lambda r: r.get("bench") == "mega_linear1_probe",
+     ["impl", "part", "time_us", "ratio_to_cutlass_gemm1", "ratio_to_v0", "weight_tbps", "check"]),
+    ("FP8 grouped forward schedules (probe, one GPU), also at the fused linear 1's EP1 shape",
+     "grouped_gemm", lambda r: r.get("bench") == "grouped_gemm_config",
+     ["impl", "pattern", "groups", "rows", "n", "time_us", "weight_tbps"]),
     ("Normal dispatch / combine at EP2 (4096 tokens/rank, H = 7168, top-8 of 256)",
      "normal", lambda r: r.get("ranks") == 2 and r.get("tokens_per_rank") == 4096
      and "count_batch" not in r, COMM_COLS),

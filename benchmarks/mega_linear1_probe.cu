@@ -12,8 +12,10 @@
 // Five kernels: v0 loads with every thread and computes in lockstep; v1 is
 // warp-specialised (a producer warp and mbarrier stage handshakes); v2 takes
 // the weights by TMA; v3 also runs tiles of at most 64 rows on one
-// warpgroup; v4 is v3 with every warp of the producer warpgroup gathering.
-// Then v0 is timed with one stage left out at a time (the Part enum), on
+// warpgroup; v4 is v3 with every warp of the producer warpgroup gathering;
+// v5 is v0 with six stages instead of four (more weight bytes in flight per
+// SM: four stages keep ~48 KB of w13 in flight, about what an SM's share of
+// HBM bandwidth times a loaded HBM latency asks for). Then v0 is timed with one stage left out at a time (the Part enum), on
 // pre-gathered rows, and against a plain read of w13, so that a run places
 // its time where ncu cannot read counters.
 //
@@ -47,11 +49,16 @@ namespace {
 constexpr int kBM = 128, kBK = 128, kStages = 4, kThreads = 256;
 constexpr int kStageBytes = kBM * kBK;  // one A or B stage tile: 128 rows of 128 B
 
-struct Smem {
-  uint8_t a[kStages][kStageBytes];
-  uint8_t b[kStages][kStageBytes];
-  float sa[kStages][kBM];
+template <int S>
+struct SmemOf {
+  uint8_t a[S][kStageBytes];
+  uint8_t b[S][kStageBytes];
+  float sa[S][kBM];
 };
+using Smem = SmemOf<kStages>;
+// v0's deeper pipeline (v5): six stages, 192 KiB of tiles, as many as the
+// SM's 227 KiB hold, where CUTLASS's FP8 kernel also lands.
+constexpr int kDeepStages = 6;
 
 // An M tile: its expert, its first row in expert-major order, its rows.
 struct MTile {
@@ -202,10 +209,10 @@ enum Part : int {
 
 // v0: every thread loads (cp.async, kStages deep) and both warpgroups
 // compute, in lockstep behind one barrier per K block.
-template <int kPart = kFull>
+template <int kPart = kFull, int kSt = kStages>
 __global__ void __launch_bounds__(kThreads, 1) FusedLinear1(Args g) {
   extern __shared__ uint8_t raw[];
-  Smem& s = *reinterpret_cast<Smem*>(
+  SmemOf<kSt>& s = *reinterpret_cast<SmemOf<kSt>*>(
       (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   // The h blocks of one M tile are adjacent in launch order: its gathered
   // rows are read from HBM once and from L2 by the other fifteen.
@@ -248,18 +255,18 @@ __global__ void __launch_bounds__(kThreads, 1) FusedLinear1(Args g) {
     };
     float fin[64];
     for (int i = 0; i < 64; ++i) fin[i] = 0.f;
-    for (int st = 0; st < kStages - 1; ++st) {
+    for (int st = 0; st < kSt - 1; ++st) {
       if (st < kb_count) load(st, st);
       CpAsyncCommit();
     }
     for (int kb = 0; kb < kb_count; ++kb) {
-      const int st = kb % kStages;
-      CpAsyncWait<kStages - 2>();
+      const int st = kb % kSt;
+      CpAsyncWait<kSt - 2>();
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncthreads();
       // The stage refilled here was last read by the previous k-block's
       // wgmma (waited for) and scale promotion (before the barrier above).
-      if (kb + kStages - 1 < kb_count) load((kb + kStages - 1) % kStages, kb + kStages - 1);
+      if (kb + kSt - 1 < kb_count) load((kb + kSt - 1) % kSt, kb + kSt - 1);
       CpAsyncCommit();
       if (kPart != kNoMma && kPart != kWeightsOnly) {
         float acc[64];
@@ -701,6 +708,10 @@ int main(int argc, char** argv) {
   auto v2 = [&]() { FusedLinear1Tma<false><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
   auto v3 = [&]() { FusedLinear1Tma<true><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
   auto v4 = [&]() { FusedLinear1Tma<true, true><<<grid, kThreadsWs, smem, st>>>(a, wmap); };
+  const size_t smem_deep = sizeof(SmemOf<kDeepStages>) + 1024;
+  CK(cudaFuncSetAttribute(FusedLinear1<kFull, kDeepStages>,
+                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_deep)));
+  auto v5 = [&]() { FusedLinear1<kFull, kDeepStages><<<grid, kThreads, smem_deep, st>>>(a); };
 
   // Sampled check: 96 (row, h block) pairs over experts, first and last rows
   // of groups included.
@@ -749,8 +760,9 @@ int main(int argc, char** argv) {
   check("fused linear 1 v2 (v1, weights by TMA)", v2);
   check("fused linear 1 v3 (v2, tiles of <= 64 rows on one warpgroup)", v3);
   check("fused linear 1 v4 (v3, every producer warp gathers)", v4);
-  const float ms_v[5] = {MedianMs(v0, st, 2, 5), MedianMs(v1, st, 2, 5), MedianMs(v2, st, 2, 5),
-                         MedianMs(v3, st, 2, 5), MedianMs(v4, st, 2, 5)};
+  check("fused linear 1 v5 (v0, six stages)", v5);
+  const float ms_v[6] = {MedianMs(v0, st, 2, 5), MedianMs(v1, st, 2, 5), MedianMs(v2, st, 2, 5),
+                         MedianMs(v3, st, 2, 5), MedianMs(v4, st, 2, 5), MedianMs(v5, st, 2, 5)};
 
   // Baseline: the package's grouped FP8 forward on the same groups, rows
   // already gathered (contiguous [M, H]), bf16 [M, 2F] out.
@@ -830,7 +842,7 @@ int main(int argc, char** argv) {
   int half_tiles = 0;
   for (const MTile& t : tiles) half_tiles += t.rows <= 64;
   std::printf("M tiles of <= 64 rows: %d\n", half_tiles);
-  for (int v = 0; v < 5; ++v) {
+  for (int v = 0; v < 6; ++v) {
     const float ms = ms_v[v];
     std::printf("fused linear 1 v%d (gather + GEMM 1 + SwiGLU + FP8 cast): %.3f ms  %.0f TFLOP/s  "
                 "weights %.2f TB/s  ratio to GEMM 1 alone %.3f\n", v, ms, flops / ms / 1e9,

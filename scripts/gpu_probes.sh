@@ -36,6 +36,14 @@ for p in ${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}; do
   echo "$p: rc $? in $((SECONDS - t0)) s"
   logs+=("$P/$p.log")
 done
+if [ ${#logs[@]} -gt 0 ]; then
+  python3 benchmarks/probe_record.py --out "$OUT/results" --machine "$machine" \
+    --command "scripts/gpu_probes.sh (GPU_PROBES=\"${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}\"), binaries built with nvcc 13.0 and the CUTLASS 4.2.0 wheel as in its header" \
+    "${logs[@]}"
+fi
+# The probes' own lines, then ncu (the slowest part, last, so a cut call keeps
+# the records).
+grep -h "ms\|check\|schedule\|^fp8" "${logs[@]}" 2>/dev/null | cut -c1-160
 if [ "${GPU_PROBE_NCU:-1}" != 0 ] && command -v ncu > /dev/null; then
   # One launch each: v0, v2 and the CUTLASS FP8 forward; --clock-control
   # none leaves the clocks as the timings saw them (device notes, METHOD.md).
@@ -47,15 +55,8 @@ if [ "${GPU_PROBE_NCU:-1}" != 0 ] && command -v ncu > /dev/null; then
     set -- $k
     [ -x ".whl/probe/$1" ] || continue
     t0=$SECONDS
-    timeout 150 ncu --clock-control none --kernel-name-base mangled -k "regex:$2" -c 1 $sections ".whl/probe/$1" \
+    PROBE_CHECK_ONLY=1 timeout 150 ncu --clock-control none --kernel-name-base mangled -k "regex:$2" -c 1 $sections ".whl/probe/$1" \
       > "$P/ncu_$2.txt" 2>&1
     echo "ncu $2: rc $? in $((SECONDS - t0)) s"
   done
 fi
-if [ ${#logs[@]} -gt 0 ]; then
-  python3 benchmarks/probe_record.py --out "$OUT/results" --machine "$machine" \
-    --command "scripts/gpu_probes.sh (GPU_PROBES=\"${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}\"), binaries built with nvcc 13.0 and the CUTLASS 4.2.0 wheel as in its header" \
-    "${logs[@]}"
-fi
-# The probes' own lines, last: the short table of the call.
-grep -h "ms\|check\|schedule\|^fp8" "${logs[@]}" 2>/dev/null | cut -c1-160

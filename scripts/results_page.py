@@ -223,6 +223,8 @@ TRAIN_COLS = ["impl", "activation", "hidden", "ffn", "experts", "layers", "steps
               "lr_schedule", "warmup_steps", "first_loss", "final_loss", "tail_mean_loss",
               "final_eval_loss", "eval_batches", "relative_difference", "tail_relative_difference",
               "eval_relative_gap", "eval_paired_se", "nonfinite_losses", "median_step_s", "path"]
+SWIGLU_COLS = ["impl", "kind", "dtype", "time_us", "floor_us", "share_of_floor", "bytes_floor_us",
+               "speedup_vs_jax_ep_bf16", "speedup_vs_jax_native", "path"]
 HEADLINES = [
     # Three kinds of grouped-GEMM runs: the whole benchmark (every
     # implementation side by side), --fp8-only (the FP8 products beside the
@@ -233,13 +235,11 @@ HEADLINES = [
      "grouped_gemm", lambda r: r.get("impl") == "jax_ep_fp8_dgrad", GG_COLS),
     ("FP8 casts of the grouped GEMM's training path (one GPU)",
      "grouped_gemm", lambda r: r.get("mode") == "cast", GG_COLS + ["hbm_gbps"]),
-    ("Fused linear 1 of Mega MoE at EP1 (probe, one GPU): variants, v0 taken apart, against "
-     "the CUTLASS GEMM 1 alone", "grouped_gemm",
+    ("Fused linear 1 of Mega MoE at EP1 (probes, one GPU): variants, v0 taken apart, the "
+     "CUTLASS GEMM 1 alone and the FP8 forward schedules", "grouped_gemm",
      lambda r: r.get("bench") == "mega_linear1_probe",
-     ["impl", "part", "time_us", "ratio_to_cutlass_gemm1", "ratio_to_v0", "weight_tbps", "check"]),
-    ("FP8 grouped forward schedules (probe, one GPU), also at the fused linear 1's EP1 shape",
-     "grouped_gemm", lambda r: r.get("bench") == "grouped_gemm_config",
-     ["impl", "pattern", "groups", "rows", "n", "time_us", "weight_tbps"]),
+     ["impl", "part", "pattern", "groups", "rows", "n", "time_us", "ratio_to_cutlass_gemm1",
+      "ratio_to_v0", "weight_tbps", "check"]),
     ("Normal dispatch / combine at EP2 (4096 tokens/rank, H = 7168, top-8 of 256)",
      "normal", lambda r: r.get("ranks") == 2 and r.get("tokens_per_rank") == 4096
      and "count_batch" not in r, COMM_COLS),
@@ -257,11 +257,19 @@ HEADLINES = [
      lambda r: r.get("tokens_per_rank") == 4096 and r.get("activation", "gelu") == "gelu",
      ["impl", "tokens_per_rank", "time_us", "tokens_per_s", "ratio_to_expert_gemms",
       "dispatch_combine_share", "capacity_factor", "dropped_pairs", "path", "transport"]),
-    ("MoE layer with SwiGLU experts, bf16 and FP8: steps and inference forwards next to their "
-     "GEMM floors (one GPU)", "moe",
-     lambda r: r.get("tokens_per_rank") == 4096 and r.get("activation") == "swiglu",
-     ["impl", "kind", "dtype", "time_us", "floor_us", "share_of_floor", "speedup_vs_jax_ep_bf16",
-      "speedup_vs_jax_native", "path"]),
+    # Two headlines: a run may time only some variants (--impls), so the
+    # newest run with a timed FP8 inference forward and the newest with a
+    # timed cached FP8 step are shown apart.
+    ("MoE layer with SwiGLU experts, bf16 and FP8: inference forwards and steps next to their "
+     "floors (one GPU)", "moe",
+     lambda r: (r.get("tokens_per_rank") == 4096 and r.get("activation") == "swiglu"
+                and r.get("impl") == "jax_ep_fp8_inference" and r.get("time_us") is not None),
+     SWIGLU_COLS),
+    ("MoE layer with SwiGLU experts: the FP8 step with cached weights, the cast alone and the "
+     "JAX-native layer (one GPU)", "moe",
+     lambda r: (r.get("tokens_per_rank") == 4096 and r.get("activation") == "swiglu"
+                and r.get("impl") == "jax_ep_fp8_cached" and r.get("time_us") is not None),
+     SWIGLU_COLS),
     ("Training quality on CPU (the reference): bf16 and FP8 experts from the same start",
      "train", lambda r: r.get("bench") == "train_quality" and r.get("path") == "reference",
      TRAIN_COLS),
@@ -303,7 +311,9 @@ def _validation(test_runs: list[dict]) -> list[str]:
   seen: dict = {}
 
   def note(op, path, outcome, run):
-    k = (str(run.get("date", ""))[:10], str(run.get("commit")))
+    # Ordered by the run's time to the second: two runs of one day must not
+    # show the earlier one's failure beside the later one's pass as if current.
+    k = (str(run.get("date", "")), str(run.get("commit")))
     slot = seen.setdefault((op, path), {})
     if outcome in slot and slot[outcome][0] >= k[0]:
       return
@@ -339,10 +349,10 @@ def _validation(test_runs: list[dict]) -> list[str]:
       if not slot:
         cells.append("never")
         continue
-      cell = (f"passed {slot['passed'][0]} at {slot['passed'][1]}" if "passed" in slot
+      cell = (f"passed {slot['passed'][0][:10]} at {slot['passed'][1]}" if "passed" in slot
               else "never passed")
       if "failed" in slot and ("passed" not in slot or slot["failed"][0] >= slot["passed"][0]):
-        cell += f"; failed {slot['failed'][0]} at {slot['failed'][1]}"
+        cell += f"; failed {slot['failed'][0][:10]} at {slot['failed'][1]}"
       cells.append(cell)
     lines.append(f"| {op} | " + " | ".join(cells) + " |")
   return lines

@@ -9,9 +9,8 @@ weight arrays; each is built, warmed up, timed and dropped in turn, so
 that one variant's FP8 blocks do not sit in memory through another's step
 (E_l = 256 on one GPU: 21 GiB of bf16 weights; the FP8 step with the
 cast inside holds those, both FP8 orientations and the gradients, ~63 GiB
-before its temporaries). On one 80 GB H100 the steps still ran out of
-memory with XLA_PYTHON_CLIENT_MEM_FRACTION=.95 and only the bf16 forward
-ran: this shape wants an H200 (141 GB). Impls (bench = moe_step,
+before its temporaries). Every variant ran on one 80 GB H100 with
+XLA_PYTHON_CLIENT_MEM_FRACTION=.95 (docs/fp8_layer.md). Impls (bench = moe_step,
 activation = swiglu):
 
   jax_ep                 nn.MoE(precision="bf16"): forward + backward

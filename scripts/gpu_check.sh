@@ -23,7 +23,8 @@
 #   CUTLASS headers: the pinned nvidia-cutlass wheel, installed from .whl/
 #   when the machine has no cutlass_library (the GPU machine is offline).
 #
-# $OUT receives summary.txt, junit.xml, logs/, bench.tar.gz, the
+# $OUT receives summary.txt, junit.xml, logs.tar.gz (logs/ while running),
+# bench.tar.gz, the
 # profile's profile_normal.json and
 # results/: each benchmark's run file (results/<bench>/<date>_<commit>_<n>.json,
 # copied as each benchmark ends) and the test record made from junit.xml
@@ -102,6 +103,10 @@ PYEOF
   echo "outputs in $OUT; exit status $status"
 } | tee "$OUT/summary.txt"
 
+# The device call returns only a few files (the rest are left out by count):
+# on an end that reaches here the logs go back as one archive; a run killed
+# outright still leaves them loose.
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 rm -rf "$BENCH"
 exit $status
 }

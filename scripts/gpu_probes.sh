@@ -2,8 +2,9 @@
 # Runs the standalone CUDA probes built on the CPU machine and carried in
 # .whl/probe/ (the device call's `carry: [".whl"]`), then, where ncu can read
 # the card's counters, profiles the fused linear 1 and the CUTLASS GEMM it is
-# measured against. Logs under $OUT/probes/, records under $OUT/results/
-# (copy them into benchmarks/results/ with cp -rn).
+# measured against. Records under $OUT/results/ (copy them into
+# benchmarks/results/ with cp -rn); the logs and ncu reports as one archive,
+# $OUT/probes.tgz (the device call returns only a few files).
 #
 #   OUT=dir JAX_EP_COMMIT=<sha the binaries were built at> scripts/gpu_probes.sh
 #   GPU_PROBES="mega_linear1 ggc15 ggc16 ggc17 ggc14" (default; a missing
@@ -60,3 +61,4 @@ if [ "${GPU_PROBE_NCU:-1}" != 0 ] && command -v ncu > /dev/null; then
     echo "ncu $2: rc $? in $((SECONDS - t0)) s"
   done
 fi
+tar -czf "$OUT/probes.tgz" -C "$OUT" probes && rm -rf "$P"

@@ -15,7 +15,8 @@
 // warpgroup; v4 is v3 with every warp of the producer warpgroup gathering;
 // v5 is v0 with six stages instead of four (more weight bytes in flight per
 // SM: four stages keep ~48 KB of w13 in flight, about what an SM's share of
-// HBM bandwidth times a loaded HBM latency asks for). Then v0 is timed with one stage left out at a time (the Part enum), on
+// HBM bandwidth times a loaded HBM latency asks for); it measured slower
+// than v0 (docs/mega_moe.md), so bytes in flight are not v0's bound. Then v0 is timed with one stage left out at a time (the Part enum), on
 // pre-gathered rows, and against a plain read of w13, so that a run places
 // its time where ncu cannot read counters.
 //

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/grouped_gemm.cuh"
+#include "probe_routing.h"
 #include "probe_timing.h"
 
 namespace {
@@ -224,6 +225,26 @@ __global__ void FillF32(float* p, int64_t n, float v) {
   }
 }
 
+// One grouped product as the op launches it (prep, fills, kernel through
+// gg::Run): scratch sized for `args`, one launch, then the median of
+// `calls`-launch batches; a refused launch ends the probe.
+template <class G, GgKind kKind>
+float TimeRun(const GroupedGemmArgs& args, int sms, cudaStream_t st, int warmup, int calls) {
+  void* scratch;
+  CK(cudaMalloc(&scratch, gg::ScratchBytes<G>(args, sms) + 256));
+  auto launch = [&]() {
+    if (const char* e = gg::Run<G, kKind>(args, scratch, sms, st)) {
+      std::printf("run failed: %s\n", e);
+      std::exit(1);
+    }
+  };
+  launch();
+  CK(cudaStreamSynchronize(st));
+  const float ms = MedianMs(launch, st, warmup, calls);
+  cudaFree(scratch);
+  return ms;
+}
+
 #if CFG >= 20
 // The FP8 weight gradient at the EP1 shape of docs/design.md §6: E_l = 256
 // experts, T*K = 32768 routed rows, so each group has ~128 tokens: K is one
@@ -271,31 +292,19 @@ int RunWgradFp8(int sms, cudaStream_t st) {
     args.b = b;
     args.a_scales = as;
     args.b_scales = bs;
-    const size_t bytes = gg::ScratchBytes<Wg>(args, sms);
-    void* scratch;
-    CK(cudaMalloc(&scratch, bytes + 256));
-    auto launch = [&]() {
-      if (const char* e = gg::Run<Wg, GgKind::kWeightGradFp8>(args, scratch, sms, st)) {
-        std::printf("run failed: %s\n", e);
-        std::exit(1);
-      }
-    };
-    launch();
-    CK(cudaStreamSynchronize(st));
+    const float ms = TimeRun<Wg, GgKind::kWeightGradFp8>(args, sms, st, 2, 3);
     // Every product is K * 1.0 * 0.5 * (1/64) * (1/256) (scales up to 0.6 %
     // apart): a sampled output far from that means a broken schedule.
     Bf16 probe[4];
     CK(cudaMemcpy(probe, out + (kGroups / 2) * H * F + 5 * F + 3, sizeof(probe),
                   cudaMemcpyDeviceToHost));
     const float want = padded[kGroups / 2] * 0.5f / 64.f / 256.f;
-    const float ms = MedianMs(launch, st, 2, 3);
     const double out_bytes = double(kGroups) * H * F * sizeof(Bf16);
     std::printf("  H %5lld F %5lld  padded tokens %6d  %.3f ms  %6.1f TFLOP/s (padded)  "
                 "%5.2f TB/s of output  sample %.4g (want ~%.4g)%s\n",
                 (long long)H, (long long)F, p, ms, 2.0 * p * H * F / (ms * 1e-3) / 1e12,
                 out_bytes / (ms * 1e-3) / 1e12, float(probe[0]), want,
                 fabsf(float(probe[0]) - want) < 0.02f * want ? "" : "  WRONG");
-    cudaFree(scratch);
     cudaFree(a);
     cudaFree(b);
     cudaFree(as);
@@ -314,17 +323,12 @@ void RunLinear1Ep1(Bf16* x, Bf16* out, int sms, cudaStream_t st) {
   constexpr int64_t H = 7168, N = 4096;
   constexpr int kGroups = 256, kTokens = 4096, kTopk = 8;
   std::mt19937 rng(5);
-  std::vector<int> sizes(kGroups, 0);
-  for (int t = 0; t < kTokens; ++t) {
-    std::vector<int> picked;
-    while (int(picked.size()) < kTopk) {
-      const int e = int(rng() % kGroups);
-      if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
-    }
-    for (int e : picked) sizes[e]++;
-  }
+  std::vector<int> sizes;
   int rows = 0;
-  for (int& v : sizes) rows += (v = (v + 7) / 8 * 8);
+  for (const auto& tokens : TopkTokensByExpert(kTokens, kTopk, kGroups, rng)) {
+    sizes.push_back((int(tokens.size()) + 7) / 8 * 8);
+    rows += sizes.back();
+  }
   uint8_t* w8;
   float *xs, *ws;
   int32_t* sizes_d;
@@ -350,21 +354,10 @@ void RunLinear1Ep1(Bf16* x, Bf16* out, int sms, cudaStream_t st) {
   args.rows = rows;
   args.h = H;
   args.f = N;
-  void* scratch;
-  CK(cudaMalloc(&scratch, gg::ScratchBytes<Other>(args, sms) + 256));
-  auto launch = [&]() {
-    if (const char* e = gg::Run<Other, kOther>(args, scratch, sms, st)) {
-      std::printf("run failed: %s\n", e);
-      std::exit(1);
-    }
-  };
-  launch();
-  CK(cudaStreamSynchronize(st));
-  const float ms = MedianMs(launch, st, 2, 5);
+  const float ms = TimeRun<Other, kOther>(args, sms, st, 2, 5);
   std::printf("  linear 1 at EP1 (256 groups, rows %d, N %lld)  %.3f ms  %6.1f TFLOP/s  "
               "weights %.2f TB/s\n", rows, static_cast<long long>(N), ms,
               2.0 * rows * H * N / (ms * 1e-3) / 1e12, double(kGroups) * H * N / (ms * 1e-3) / 1e12);
-  cudaFree(scratch);
   cudaFree(w8);
   cudaFree(xs);
   cudaFree(ws);
@@ -411,21 +404,9 @@ int RunOther(Bf16* x, Bf16* w, Bf16* out, int32_t* sizes_d, const std::vector<in
       args.a_scales = xs;
       args.b_scales = ws;
     }
-    const size_t bytes = gg::ScratchBytes<Other>(args, sms);
-    void* scratch;
-    CK(cudaMalloc(&scratch, bytes + 256));
-    auto launch = [&]() {
-      if (const char* e = gg::Run<Other, kOther>(args, scratch, sms, st)) {
-        std::printf("run failed: %s\n", e);
-        std::exit(1);
-      }
-    };
-    launch();
-    CK(cudaStreamSynchronize(st));
-    const float ms = MedianMs(launch, st, 3, 10);
+    const float ms = TimeRun<Other, kOther>(args, sms, st, 3, 10);
     std::printf("  %-8s rows %6d  %.3f ms  %6.1f TFLOP/s (useful)\n",
                 pattern == 0 ? "uniform" : "routed", rows, ms, 2.0 * kRows * H * F / (ms * 1e-3) / 1e12);
-    cudaFree(scratch);
   }
   if constexpr (kOther == GgKind::kForwardFp8) RunLinear1Ep1(x, out, sms, st);
   return 0;

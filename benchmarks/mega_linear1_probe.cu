@@ -43,6 +43,7 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include "probe_routing.h"
 #include "probe_timing.h"
 #include "kernels/grouped_gemm.cuh"
 
@@ -647,15 +648,7 @@ int main(int argc, char** argv) {
 
   // Routing: each token to K distinct experts; rows grouped by expert.
   std::mt19937 rng(5);
-  std::vector<std::vector<int>> by_expert(E);
-  for (int t = 0; t < T; ++t) {
-    std::vector<int> picked;
-    while (int(picked.size()) < K) {
-      const int e = int(rng() % E);
-      if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
-    }
-    for (int e : picked) by_expert[e].push_back(t);
-  }
+  const std::vector<std::vector<int>> by_expert = TopkTokensByExpert(T, K, E, rng);
   std::vector<int> row_src, counts(E);
   std::vector<MTile> tiles;
   for (int e = 0; e < E; ++e) {

@@ -26,8 +26,9 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 machine="${ngpu}x ${gpu:-unknown GPU}"
 echo "machine: $machine" | tee "$P/machine.txt"
+probes=${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}
 logs=()
-for p in ${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}; do
+for p in $probes; do
   if [ ! -x ".whl/probe/$p" ]; then
     echo "$p: not built (.whl/probe/$p missing)"
     continue
@@ -39,7 +40,7 @@ for p in ${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}; do
 done
 if [ ${#logs[@]} -gt 0 ]; then
   python3 benchmarks/probe_record.py --out "$OUT/results" --machine "$machine" \
-    --command "scripts/gpu_probes.sh (GPU_PROBES=\"${GPU_PROBES:-mega_linear1 ggc15 ggc16 ggc17 ggc14}\"), binaries built with nvcc 13.0 and the CUTLASS 4.2.0 wheel as in its header" \
+    --command "scripts/gpu_probes.sh (GPU_PROBES=\"$probes\"), binaries built with nvcc 13.0 and the CUTLASS 4.2.0 wheel as in its header" \
     "${logs[@]}"
 fi
 # The probes' own lines, then ncu (the slowest part, last, so a cut call keeps

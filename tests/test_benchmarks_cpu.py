@@ -24,7 +24,8 @@ def _bench(name: str):
 
 @pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="would run the benchmark")
 @pytest.mark.parametrize("name", ["bench_normal", "bench_engram", "bench_low_latency", "profile_normal",
-                                  "bench_grouped_gemm", "bench_moe", "soak", "setup_stamps"])
+                                  "bench_grouped_gemm", "bench_moe", "bench_mega_moe", "soak",
+                                  "setup_stamps"])
 def test_benchmark_exits_2_without_gpus(name, tmp_path):
   assert _bench(name).main(["--out", str(tmp_path)]) == 2
   assert not list(tmp_path.iterdir())
@@ -90,6 +91,30 @@ def test_moe_swiglu_run_records_every_variant_next_to_its_floor_on_cpu():
   assert impls["jax_ep_fp8_inference"]["speedup_vs_jax_ep_bf16"] > 0
   assert impls["jax_ep_fp8"]["speedup_vs_jax_native"] > 0
   assert impls["jax_ep_fp8"]["gemm_tflops"] == pytest.approx(3 * impls["jax_ep_inference"]["gemm_tflops"])
+
+
+def test_mega_moe_bench_records_the_unfused_path_and_the_fused_refusal_on_cpu():
+  """bench_mega_moe at a small shape on CPU devices: the op's automatic
+  choice is timed next to its floors and sets the fused target; the fused
+  kernels, which this build lacks, leave a record that says why it has no
+  time rather than a missing row."""
+  bm, mm = _bench("bench_moe"), _bench("bench_mega_moe")
+  shape = bm.MoEShape(tokens=32, hidden=128, ffn=128, experts=16, topk=2)
+  records = {r["impl"]: r for r in mm.run(shape, quick=True)}
+  assert set(records) == {"jax_ep_fp8", "jax_ep_fused"}
+  unfused, fused = records["jax_ep_fp8"], records["jax_ep_fused"]
+  assert unfused["bench"] == "moe_forward" and unfused["ranks"] == len(jax.devices())
+  assert unfused["time_us"] > 0 and unfused["failed"] is None
+  assert unfused["floor_us"] > 0 and unfused["bytes_floor_us"] > 0
+  assert unfused["fused_target_us"] == pytest.approx(0.9 * unfused["time_us"])
+  assert unfused["ratio_to_unfused"] == 1.0
+  assert fused["time_us"] is None and fused["failed"] and fused["ratio_to_unfused"] is None
+  # 16 experts over the devices, each w13 [H, 2F] and w2 [F, H] in e4m3
+  # with one f32 scale per 128 x 128 block.
+  e_l = 16 // len(jax.devices())
+  assert unfused["weight_gbytes"] * 1e9 == pytest.approx(e_l * 3 * 128 * 128 * (1 + 4 / 128**2))
+  assert mm.is_grouped_gemm("cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<")
+  assert not mm.is_grouped_gemm("void jax_ep::DispatchDataKernel<")
 
 
 def test_grouped_gemm_profile_reader_sums_gpu_kernels_per_call(tmp_path):

@@ -215,6 +215,20 @@ def test_grouped_matmul_fp8_matches_dequantised_oracle(pattern):
   assert np.all(np.asarray(out[sum(sizes):], np.float32) == 0)
 
 
+@pytest.mark.parametrize("num_sms", [1, 3, 16])
+def test_fp8_sm_limit_gives_the_same_result(num_sms):
+  """The FP8 forward runs in clusters of two SMs: an SM limit below or not a
+  multiple of the cluster still computes every tile, to the same bits."""
+  rng = np.random.default_rng(stable_seed("fp8_sms", num_sms))
+  sizes = _sizes("odd", 8, rng)
+  (xq, xs), (wq, ws) = _fp8(rng, (sum(sizes),), 8)
+  s = jnp.asarray(sizes, jnp.int32)
+  run = lambda n: jax.jit(lambda a, b: jax_ep.grouped_matmul_fp8(
+      a, b, s, backend="cuda", num_sms=n))((xq, xs), (wq, ws))
+  np.testing.assert_array_equal(np.asarray(run(0), np.float32),
+                                np.asarray(run(num_sms), np.float32))
+
+
 def test_masked_grouped_matmul_fp8_reads_only_valid_rows():
   rng = np.random.default_rng(17)
   G, S = 8, 256

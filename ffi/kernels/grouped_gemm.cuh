@@ -5,6 +5,8 @@
 // into per-group shapes, pointers and strides.
 #pragma once
 
+#include <algorithm>
+
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -364,7 +366,9 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arr
                                           int sms) {
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
-  hw.sm_count = sms;
+  // A clustered schedule launches whole clusters, so fewer SMs than one
+  // cluster would launch nothing.
+  hw.sm_count = std::max(sms, int(cute::size(typename C::ClusterShape{})));
   typename C::Gemm::Arguments g{};
   g.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   g.problem_shape = {args.num_groups, arr.shapes, nullptr};

@@ -225,6 +225,8 @@ TRAIN_COLS = ["impl", "activation", "hidden", "ffn", "experts", "layers", "steps
               "eval_relative_gap", "eval_paired_se", "nonfinite_losses", "median_step_s", "path"]
 SWIGLU_COLS = ["impl", "kind", "dtype", "time_us", "floor_us", "share_of_floor", "bytes_floor_us",
                "speedup_vs_jax_ep_bf16", "speedup_vs_jax_native", "path"]
+MEGA_COLS = ["impl", "ranks", "time_us", "floor_us", "share_of_floor", "bytes_floor_us", "gemm_us",
+             "outside_gemms_us", "fused_target_us", "ratio_to_unfused", "failed"]
 HEADLINES = [
     # Three kinds of grouped-GEMM runs: the whole benchmark (every
     # implementation side by side), --fp8-only (the FP8 products beside the
@@ -270,6 +272,9 @@ HEADLINES = [
      lambda r: (r.get("tokens_per_rank") == 4096 and r.get("activation") == "swiglu"
                 and r.get("impl") == "jax_ep_fp8_cached" and r.get("time_us") is not None),
      SWIGLU_COLS),
+    ("Mega MoE forward: the unfused FP8 path the fused kernels must beat (<= 0.90 x), one GPU",
+     "mega_moe", lambda r: r.get("bench") == "moe_forward" and r.get("impl") == "jax_ep_fp8",
+     MEGA_COLS),
     ("Training quality on CPU (the reference): bf16 and FP8 experts from the same start",
      "train", lambda r: r.get("bench") == "train_quality" and r.get("path") == "reference",
      TRAIN_COLS),

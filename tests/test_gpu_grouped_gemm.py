@@ -217,8 +217,9 @@ def test_grouped_matmul_fp8_matches_dequantised_oracle(pattern):
 
 @pytest.mark.parametrize("num_sms", [1, 3, 16])
 def test_fp8_sm_limit_gives_the_same_result(num_sms):
-  """The FP8 forward runs in clusters of two SMs: an SM limit below or not a
-  multiple of the cluster still computes every tile, to the same bits."""
+  """An SM limit (one SM, an odd count, a few) still computes every tile of
+  the FP8 forward, to the same bits: no split-K, so the grid only changes
+  which SM runs a tile."""
   rng = np.random.default_rng(stable_seed("fp8_sms", num_sms))
   sizes = _sizes("odd", 8, rng)
   (xq, xs), (wq, ws) = _fp8(rng, (sum(sizes),), 8)

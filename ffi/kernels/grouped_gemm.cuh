@@ -5,8 +5,6 @@
 // into per-group shapes, pointers and strides.
 #pragma once
 
-#include <algorithm>
-
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -110,16 +108,7 @@ struct Fp8PingpongSchedule {
   using Epi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-// The forward and dgrad schedule: Fp8Schedule's tiles in clusters of two N
-// tiles, which share each A tile (the gathered rows) by TMA multicast. On
-// routed groups at the layer's linear-1 shape it measured 0.93 x the
-// unclustered kernel (docs/grouped_gemm.md); the weight gradient, whose A is
-// the token-major rows' transpose, keeps Fp8Schedule.
-struct Fp8ForwardSchedule : Fp8Schedule {
-  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-};
-
-template <class ElementD, class Sched = Fp8ForwardSchedule>
+template <class ElementD, class Sched = Fp8Schedule>
 struct Fp8Config
     : GemmOf<Sched, cutlass::float_e4m3_t,
              cute::tuple<cutlass::layout::RowMajor*, Fp8Scales::LayoutSFA*>,
@@ -366,9 +355,7 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, const Arr
                                           int sms) {
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
-  // A clustered schedule launches whole clusters, so fewer SMs than one
-  // cluster would launch nothing.
-  hw.sm_count = std::max(sms, int(cute::size(typename C::ClusterShape{})));
+  hw.sm_count = sms;
   typename C::Gemm::Arguments g{};
   g.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   g.problem_shape = {args.num_groups, arr.shapes, nullptr};

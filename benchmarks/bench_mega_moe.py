@@ -44,21 +44,21 @@ IMPLS = ("jax_ep_fp8", "jax_ep_fused")
 FUSED_BAR = 0.90
 
 
-def _held_weights(shape: "bm.MoEShape", e_l: int, key):
-  """(wq, ws) blocks of random bf16 w13 [e_l, H, 2F] and w2 [e_l, F, H]
+def _held_weights(shape: "bm.MoEShape", experts: int, key):
+  """(wq, ws) blocks of random bf16 w13 [experts, H, 2F] and w2 [experts, F, H]
   (the scale of a unit-variance row through them stays ~1),
   quantised a few experts at a time so that the bf16 masters of all
   experts never sit in memory at once."""
   import jax
   import jax.numpy as jnp
   import jax_ep
-  step = max(1, min(e_l, 16))
+  step = min(experts, 16)
   quant = jax.jit(jax_ep.quantize_weights_fp8)
   out = []
   for j, (k, n) in enumerate(((shape.hidden, 2 * shape.ffn), (shape.ffn, shape.hidden))):
     parts = []
-    for g0 in range(0, e_l, step):
-      g = min(step, e_l - g0)
+    for g0 in range(0, experts, step):
+      g = min(step, experts - g0)
       w = jax.random.normal(jax.random.fold_in(key, 2 * g0 + j), (g, k, n), jnp.bfloat16)
       parts.append(quant((w * (1.0 / np.sqrt(k))).astype(jnp.bfloat16)))
     out.append(tuple(jnp.concatenate([p[i] for p in parts]) for i in range(2)))
@@ -80,15 +80,12 @@ def _routing(shape: "bm.MoEShape", r_count: int, key):
 def _gpu_split(fn, args) -> tuple[Optional[float], Optional[float], Optional[dict]]:
   """(grouped GEMM µs, everything else µs, the largest kernels) per call
   from a profile; Nones when the trace cannot be read."""
-  try:
-    evs, names = bn.profile_step(fn, args, 1)
-  except Exception as e:  # noqa: BLE001 - the profile must not hide the timing
-    print(f"  profile: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+  got = sw.profile_parts(fn, args)
+  if got is None:
     return None, None, None
-  parts = bn.chain_times(bn._gpu_events(evs, names), None, 3)["kernel_parts"] or {}
+  parts = got[1]
   gemm = sum(v for k, v in parts.items() if is_grouped_gemm(k))
-  top = sorted(parts.items(), key=lambda kv: -kv[1])[:10]
-  return gemm, sum(parts.values()) - gemm, {k[:100]: round(v, 1) for k, v in top}
+  return gemm, sum(parts.values()) - gemm, sw.top_parts(parts)
 
 
 def is_grouped_gemm(kernel: str) -> bool:

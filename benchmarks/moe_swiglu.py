@@ -99,17 +99,29 @@ def weight_bytes(shape: "bm.MoEShape", ranks: int, kind: str, precision: str) ->
   return (3 * w16) if precision == "bf16" else (2 * w8 + w16)
 
 
-def kernel_parts(fn, args, top: int = 10) -> tuple[Optional[float], Optional[dict]]:
-  """(GPU busy µs per call, the `top` kernels by µs per call) of a profiled
-  call of `fn`; (None, None) when the trace cannot be read."""
+def profile_parts(fn, args) -> Optional[tuple[float, dict]]:
+  """(GPU busy µs per call, µs per call of every kernel by name) of a
+  profiled call of `fn`; None when the trace cannot be read."""
   try:
     evs, names = bn.profile_step(fn, args, 1)
   except Exception as e:  # noqa: BLE001 - the profile must not hide the timings
     print(f"  profile: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return None, None
+    return None
   tr = bn.chain_times(bn._gpu_events(evs, names), None, 3)
-  parts = sorted((tr["kernel_parts"] or {}).items(), key=lambda kv: -kv[1])[:top]
-  return tr["gpu_us"], {k[:100]: round(v, 1) for k, v in parts}
+  return tr["gpu_us"], tr["kernel_parts"] or {}
+
+
+def top_parts(parts: dict, top: int = 10) -> dict:
+  """The `top` kernels of `parts` by µs, names cut to 100 characters."""
+  ranked = sorted(parts.items(), key=lambda kv: -kv[1])[:top]
+  return {k[:100]: round(v, 1) for k, v in ranked}
+
+
+def kernel_parts(fn, args, top: int = 10) -> tuple[Optional[float], Optional[dict]]:
+  """(GPU busy µs per call, the `top` kernels by µs per call) of a profiled
+  call of `fn`; (None, None) when the trace cannot be read."""
+  got = profile_parts(fn, args)
+  return (None, None) if got is None else (got[0], top_parts(got[1], top))
 
 
 def _layer(shape, mesh, precision: str, *, backend=None):
